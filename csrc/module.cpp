@@ -1,0 +1,202 @@
+// fastload._core — thin pybind11 bindings over the C++ ring (src/).
+// Logic lives in src/; this file converts types, releases the GIL around
+// waits and ties slot lifetimes to Python buffer objects.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "ring.h"
+
+namespace py = pybind11;
+using fastload::Ring;
+using fastload::SlotResult;
+using fastload::TaskRef;
+using fastload::WaitResult;
+
+namespace {
+
+// A writable byte range of the ring exposed through the buffer protocol.
+// It keeps the mapping alive (shared_ptr<Ring>); when it is a slot lease,
+// its destruction — i.e. the death of the last tensor or array viewing it —
+// hands the slot back to the workers.
+class Region {
+ public:
+  Region(std::shared_ptr<Ring> ring, char* ptr, size_t len, int64_t leased_slot)
+      : ring_(std::move(ring)), ptr_(ptr), len_(len), leased_slot_(leased_slot) {}
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  ~Region() {
+    if (leased_slot_ >= 0) ring_->release(static_cast<uint32_t>(leased_slot_));
+  }
+  char* ptr() const { return ptr_; }
+  size_t size() const { return len_; }
+  int64_t leased_slot() const { return leased_slot_; }
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(ptr_); }
+
+ private:
+  std::shared_ptr<Ring> ring_;
+  char* ptr_;
+  size_t len_;
+  int64_t leased_slot_;
+};
+
+int64_t ms_to_ns(double timeout_s) {
+  if (timeout_s < 0) timeout_s = 0;
+  return static_cast<int64_t>(timeout_s * 1e9);
+}
+
+// After a wait that may have been cut short by a signal: let Python raise
+// KeyboardInterrupt (or whatever the handler raises) now.
+void check_signals() {
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "fastload's C++ core: a shared-memory ring of batch slots (see src/ring.h).";
+  m.attr("MAX_SLOTS") = fastload::kMaxSlots;
+  m.attr("MAX_WORKERS") = fastload::kMaxWorkers;
+  m.attr("PAYLOAD_ALIGN") = fastload::kPayloadAlign;
+
+  py::enum_<WaitResult>(m, "WaitResult")
+      .value("READY", WaitResult::Ready)
+      .value("TIMED_OUT", WaitResult::TimedOut)
+      .value("SHUTDOWN", WaitResult::Shutdown);
+
+  py::enum_<fastload::SlotState>(m, "SlotState")
+      .value("FREE", fastload::SlotState::Free)
+      .value("ASSIGNED", fastload::SlotState::Assigned)
+      .value("WRITING", fastload::SlotState::Writing)
+      .value("READY", fastload::SlotState::Ready)
+      .value("LEASED", fastload::SlotState::Leased);
+
+  py::class_<Region, std::shared_ptr<Region>>(m, "Region", py::buffer_protocol())
+      .def_buffer([](Region& r) {
+        return py::buffer_info(r.ptr(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.size())}, {1}, /*readonly=*/false);
+      })
+      .def("__len__", &Region::size)
+      .def_property_readonly("address", &Region::address)
+      .def_property_readonly("leased_slot", &Region::leased_slot);
+
+  py::class_<Ring, std::shared_ptr<Ring>>(m, "Ring")
+      .def_static("create", &Ring::create, py::arg("num_slots"), py::arg("num_workers"),
+                  py::arg("slot_bytes"), py::arg("force_shm") = false,
+                  "Main process: a new ring in a new shared-memory segment.")
+      .def_static("attach", &Ring::attach, py::arg("fd"),
+                  "Worker: map the ring behind fd (ownership of fd is taken).")
+      .def_property_readonly("num_slots", &Ring::num_slots)
+      .def_property_readonly("num_workers", &Ring::num_workers)
+      .def_property_readonly("slot_bytes", &Ring::slot_bytes)
+      .def_property_readonly("fd", &Ring::fd)
+      .def_property_readonly("backend",
+                             [](const Ring& r) {
+                               return r.backend() == fastload::SegmentBackend::Memfd ? "memfd"
+                                                                                     : "posix_shm";
+                             })
+      .def("close_fd", &Ring::close_fd)
+      .def("state", &Ring::state, py::arg("slot"))
+      .def("payload_region",
+           [](const std::shared_ptr<Ring>& r) {
+             return std::make_shared<Region>(r, r->payload_base(), r->payload_bytes(), -1);
+           },
+           "All slot payloads as one writable buffer (slot k starts at k * slot_bytes).")
+      // main process
+      .def("pop_free_slot",
+           [](Ring& r) -> py::object {
+             uint32_t s;
+             if (!r.pop_free_slot(&s)) return py::none();
+             return py::int_(s);
+           })
+      .def("free_slot_count", &Ring::free_slot_count)
+      .def("assign",
+           [](Ring& r, uint32_t slot, uint64_t seq, uint32_t worker, py::buffer task) {
+             py::buffer_info info = task.request();
+             r.assign(slot, seq, worker, info.ptr,
+                      static_cast<size_t>(info.size * info.itemsize));
+           },
+           py::arg("slot"), py::arg("seq"), py::arg("worker"), py::arg("task"))
+      .def("wait_ready",
+           [](Ring& r, uint32_t slot, uint64_t seq, double timeout_s) {
+             WaitResult res;
+             {
+               py::gil_scoped_release nogil;
+               res = r.wait_ready(slot, seq, ms_to_ns(timeout_s));
+             }
+             check_signals();
+             return res;
+           },
+           py::arg("slot"), py::arg("seq"), py::arg("timeout"))
+      .def("wait_any",
+           [](Ring& r, const std::vector<uint32_t>& slots, const std::vector<uint64_t>& seqs,
+              double timeout_s) {
+             if (slots.size() != seqs.size())
+               throw std::invalid_argument("slots and seqs differ in length");
+             WaitResult res;
+             size_t which = 0;
+             {
+               py::gil_scoped_release nogil;
+               res = r.wait_any(slots.data(), seqs.data(), slots.size(), ms_to_ns(timeout_s),
+                                &which);
+             }
+             check_signals();
+             return py::make_tuple(res, res == WaitResult::Ready ? py::int_(which)
+                                                                 : py::int_(-1));
+           },
+           py::arg("slots"), py::arg("seqs"), py::arg("timeout"))
+      .def("is_ready", &Ring::is_ready, py::arg("slot"), py::arg("seq"))
+      .def("result",
+           [](const Ring& r, uint32_t slot) {
+             SlotResult res = r.result(slot);
+             return py::make_tuple(res.kind, res.data_len, res.meta_offset, res.meta_len);
+           },
+           py::arg("slot"), "(kind, data_len, meta_offset, meta_len) of a READY slot.")
+      .def("lease",
+           [](const std::shared_ptr<Ring>& r, uint32_t slot, size_t nbytes) {
+             if (nbytes > r->slot_bytes()) throw std::out_of_range("lease longer than a slot");
+             r->lease(slot);
+             return std::make_shared<Region>(r, r->payload(slot), nbytes,
+                                             static_cast<int64_t>(slot));
+           },
+           py::arg("slot"), py::arg("nbytes"),
+           "READY -> LEASED; the slot is freed when the returned Region dies.")
+      .def("release", &Ring::release, py::arg("slot"))
+      .def("shutdown", &Ring::shutdown)
+      .def("is_shutdown", &Ring::is_shutdown)
+      .def("worker_pid", &Ring::worker_pid, py::arg("worker"))
+      .def("worker_progress", &Ring::worker_progress, py::arg("worker"))
+      .def("worker_current_seq",
+           [](const Ring& r, uint32_t w) -> py::object {
+             uint64_t s = r.worker_current_seq(w);
+             if (s == fastload::kNoSeq) return py::none();
+             return py::int_(s);
+           },
+           py::arg("worker"))
+      // worker process
+      .def("worker_started", &Ring::worker_started, py::arg("worker"), py::arg("pid"))
+      .def("next_task",
+           [](Ring& r, uint32_t worker, double timeout_s) {
+             WaitResult res;
+             TaskRef t{0, 0, 0};
+             {
+               py::gil_scoped_release nogil;
+               res = r.next_task(worker, ms_to_ns(timeout_s), &t);
+             }
+             check_signals();
+             return py::make_tuple(res, t.slot, t.seq, t.task_len);
+           },
+           py::arg("worker"), py::arg("timeout"),
+           "(WaitResult, slot, seq, task_len); slot fields are valid only with READY.")
+      .def("commit",
+           [](Ring& r, uint32_t slot, uint32_t kind, uint64_t data_len, uint64_t meta_offset,
+              uint64_t meta_len) {
+             r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len});
+           },
+           py::arg("slot"), py::arg("kind"), py::arg("data_len"), py::arg("meta_offset"),
+           py::arg("meta_len"));
+}

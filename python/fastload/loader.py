@@ -1,0 +1,435 @@
+"""``FastLoader``: DataLoader's API and semantics, fastload's transport.
+
+``FastLoader`` *is* a ``torch.utils.data.DataLoader`` (a subclass): argument
+checking, samplers, ``len()``, attribute rules, warnings and ``num_workers=0``
+are DataLoader's own code, so they cannot drift. With workers, its iterator
+follows ``_MultiProcessingDataLoaderIter`` step for step (task order,
+round-robin over active workers, prefetching, IterableDataset exhaustion,
+persistent workers) but batches travel through the shared-memory ring of
+:mod:`fastload.pool` instead of pickled queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+import mmap
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import _DatasetKind
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from . import _core, _pickling
+from .pool import WorkerPool, describe_exit, default_context
+from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, read_batch
+
+__all__ = ["FastLoader"]
+
+log = logging.getLogger("fastload")
+
+T_co = TypeVar("T_co", covariant=True)
+
+_POLL_S = 0.1  # how often a waiting main process checks worker liveness
+_MIN_SLOT_BYTES = 1 << 20
+_DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
+_DEFAULT_SLOT_BYTES_SHM = 16 << 20  # the shm fallback reserves every page up front
+
+
+class FastLoader(DataLoader[T_co]):
+    """Drop-in replacement for :class:`torch.utils.data.DataLoader`.
+
+    Takes exactly DataLoader's arguments, with the same defaults and errors,
+    plus keyword-only options:
+
+    Args:
+        allow_gpu_in_workers: do not hide CUDA/ROCm devices from workers
+            (by default ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` and
+            ``ROCR_VISIBLE_DEVICES`` are set empty in their environment).
+        slot_bytes: bytes per ring slot; by default 64 MiB (memfd pages are
+            committed only when written) and learned from the batches seen.
+            A batch larger than its slot still arrives whole, through an
+            overflow segment.
+        held_batches: how many batches the training loop may keep alive
+            while still getting zero-copy batches; past that, batches are
+            copied out of the ring so the workers never run dry (default 2).
+
+    Differences from DataLoader, on purpose: workers are started with
+    ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
+    platform default, ``fork`` on Linux), and what plain pickle cannot
+    send to a spawned worker (``__main__`` classes, lambdas, closures) is sent
+    by value with cloudpickle.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Optional[Sampler | Iterable] = None,
+        batch_sampler: Optional[Sampler[List] | Iterable[List]] = None,
+        num_workers: int = 0,
+        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        allow_gpu_in_workers: bool = False,
+        slot_bytes: Optional[int] = None,
+        held_batches: int = 2,
+    ) -> None:
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+            raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
+        if not isinstance(held_batches, int) or held_batches < 1:
+            raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
+        self.allow_gpu_in_workers = bool(allow_gpu_in_workers)
+        self.slot_bytes = slot_bytes
+        self.held_batches = held_batches
+        self._learned_batch_bytes = 0
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return _FastLoaderIter(self)
+
+
+class _Task:
+    """One dispatched batch: who makes it, where it lands, what came back."""
+
+    __slots__ = ("idx", "seq", "worker", "slot", "index", "kind", "done")
+
+    def __init__(self, idx: int, seq: int, worker: int, slot: int, index: Any) -> None:
+        self.idx = idx
+        self.seq = seq
+        self.worker = worker
+        self.slot = slot
+        self.index = index
+        self.kind = -1
+        self.done = False
+
+
+class _FastLoaderIter(_BaseDataLoaderIter):
+    """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
+
+    def __init__(self, loader: FastLoader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor: int = loader.prefetch_factor  # type: ignore[assignment]
+        self._in_order = getattr(loader, "in_order", True)
+        if self._prefetch_factor <= 0:
+            raise AssertionError("prefetch_factor must be greater than 0 for multi-process loading")
+        self._loader_ref = loader
+        self._held_batches = loader.held_batches
+        self._pool: Optional[WorkerPool] = None
+        self._shutdown = False
+        self._seq = 0  # ring stamps: never reused, across epochs too
+        self._epoch = 0
+        self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
+
+        ctx = loader.multiprocessing_context or default_context()
+        worker_init_fn = loader.worker_init_fn
+        blob = _pickling.dumps_by_value(
+            (self._dataset, self._collate_fn, worker_init_fn),
+            "dataset, collate_fn and worker_init_fn",
+        )
+        num_slots = self._num_workers * self._prefetch_factor + self._held_batches
+        if num_slots > _core.MAX_SLOTS:
+            raise ValueError(
+                f"num_workers * prefetch_factor + held_batches must be at most {_core.MAX_SLOTS}, "
+                f"got {num_slots}"
+            )
+        force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
+        slot_bytes = loader.slot_bytes
+        if slot_bytes is None:
+            slot_bytes = _DEFAULT_SLOT_BYTES_SHM if force_shm else _DEFAULT_SLOT_BYTES
+            slot_bytes = max(slot_bytes, loader._learned_batch_bytes * 5 // 4)
+        slot_bytes = max(int(slot_bytes), _MIN_SLOT_BYTES)
+        self._pool = WorkerPool(
+            ctx=ctx,
+            num_workers=self._num_workers,
+            num_slots=num_slots,
+            slot_bytes=slot_bytes,
+            blob=blob,
+            base_seed=self._base_seed,
+            dataset_kind=self._dataset_kind,
+            auto_collation=self._auto_collation,
+            drop_last=self._drop_last,
+            hide_accelerators=not loader.allow_gpu_in_workers,
+            force_shm=force_shm,
+        )
+        self._ring = self._pool.ring
+        self._reset(loader, first_iter=True)
+
+    # ---- epoch set-up ------------------------------------------------------
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._drain()
+            self._epoch += 1
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._task_info: Dict[int, _Task] = {}
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _drain(self) -> None:
+        """Wait out and free the previous epoch's batches (a persistent pool's reset)."""
+        for task in list(self._task_info.values()):
+            if task.done:
+                self._release_result(task)
+        self._task_info = {}
+        while self._inflight:
+            self._receive_one(deadline=None)
+        # Results that arrived during the drain are stale: free their slots.
+
+    # ---- sending -----------------------------------------------------------
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        if self._tasks_outstanding >= max_tasks:
+            raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # find the next active worker, if any
+            worker_queue_idx = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_queue_idx]:
+                if self._in_order:
+                    break
+                elif self._workers_num_tasks[worker_queue_idx] < max_tasks // sum(
+                    self._workers_status
+                ):
+                    break
+        else:
+            return
+        slot = self._ring.pop_free_slot()
+        if slot is None:  # cannot happen: the ring has a slot per possible task + held ones
+            raise AssertionError("fastload: no free slot for a new task")
+        seq = self._seq
+        self._seq += 1
+        task_bytes = pickle.dumps((self._epoch, index), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._ring.assign(slot, seq, worker_queue_idx, task_bytes)
+        except BaseException:
+            self._ring.release(slot)
+            raise
+        task = _Task(self._send_idx, seq, worker_queue_idx, slot, index)
+        self._task_info[self._send_idx] = task
+        self._inflight[seq] = task
+        self._workers_num_tasks[worker_queue_idx] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    # ---- receiving ---------------------------------------------------------
+    def _receive_one(self, deadline: Optional[float]) -> _Task:
+        """Block until some in-flight task has a result; mark it done.
+
+        Watches worker liveness every _POLL_S and the user's ``timeout``.
+        """
+        tasks = list(self._inflight.values())
+        slots = [t.slot for t in tasks]
+        seqs = [t.seq for t in tasks]
+        while True:
+            wait = _POLL_S
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            status, which = self._ring.wait_any(slots, seqs, wait)
+            if status == _core.WaitResult.READY:
+                task = tasks[which]
+                del self._inflight[task.seq]
+                task.kind = self._ring.result(task.slot)[0]
+                task.done = True
+                return task
+            self._check_workers()
+            if deadline is not None and time.monotonic() >= deadline:
+                self._shutdown_workers()
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+
+    def _check_workers(self) -> None:
+        assert self._pool is not None
+        dead = self._pool.dead_workers()
+        if not dead:
+            return
+        held = [t for t in self._inflight.values() if any(t.worker == d[0] for d in dead)]
+        msgs = []
+        for wid, pid, code in dead:
+            mine = [t for t in held if t.worker == wid]
+            msg = describe_exit(pid, code)
+            if mine:
+                batches = ", ".join(str(t.idx) for t in mine)
+                idxs = [t.index for t in mine]
+                msg += f"It was making batch(es) {batches} of this epoch (indices {_short(idxs)}). "
+            msgs.append(msg)
+        self._shutdown_workers()
+        raise RuntimeError("".join(msgs).strip())
+
+    def _release_result(self, task: _Task) -> None:
+        if self._ring is not None:
+            self._ring.release(task.slot)
+
+    def _next_data(self) -> Any:
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            # Skip tasks of workers that ended (IterableDataset) with no result.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx, None)
+                if info:
+                    if info.done or self._workers_status[info.worker]:
+                        break
+                    del self._task_info[self._rcvd_idx]  # its EXHAUSTED result is freed on arrival
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+
+            task = self._task_info[self._rcvd_idx]
+            if task.done:
+                del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+                return self._process_data(task)
+
+            if self._shutdown or self._tasks_outstanding <= 0:
+                raise AssertionError("Invalid iterator state: no outstanding tasks")
+            got = self._receive_one(deadline)
+            self._tasks_outstanding -= 1
+            if got.kind == KIND_EXHAUSTED:
+                self._release_result(got)
+                if self._task_info.get(got.idx) is got:
+                    del self._task_info[got.idx]
+                if self._workers_status[got.worker]:
+                    self._workers_status[got.worker] = False
+                    self._try_put_index()
+                continue
+            if self._task_info.get(got.idx) is not got:
+                self._release_result(got)  # a task skipped above: nobody wants it
+                continue
+            if got.idx != self._rcvd_idx:
+                if not self._in_order:
+                    del self._task_info[got.idx]
+                    return self._process_data(got)
+                continue  # stays in its slot until its turn
+            del self._task_info[got.idx]
+            self._rcvd_idx += 1
+            return self._process_data(got)
+
+    def _process_data(self, task: _Task) -> Any:
+        self._workers_num_tasks[task.worker] -= 1
+        try:
+            data = self._take(task)
+        finally:
+            self._try_put_index()
+        return data
+
+    def _take(self, task: _Task) -> Any:
+        """Turn a done task's slot into the batch (or raise its error)."""
+        ring = self._ring
+        kind, data_len, meta_off, meta_len = ring.result(task.slot)
+        if kind == KIND_ERROR:
+            try:
+                wrapper = pickle.loads(_slot_bytes(ring, task.slot, 0, meta_len))
+            finally:
+                ring.release(task.slot)
+            wrapper.reraise()
+        overflow: Optional[mmap.mmap] = None
+        meta: Any = None
+        lease_len = meta_off + meta_len  # the slot holds data then meta
+        if kind & FLAG_OVERFLOW:
+            overflow = self._map_overflow(task)
+            meta = memoryview(overflow)[meta_off : meta_off + meta_len]
+            lease_len = data_len  # the meta lies in the overflow segment
+        self._learn(lease_len + (len(overflow) if overflow is not None else 0))
+        if lease_len == 0:
+            ring.release(task.slot)
+            return read_batch(meta, [None, overflow])
+        lease = ring.lease(task.slot, lease_len)
+        if meta is None:
+            meta = memoryview(lease)[meta_off : meta_off + meta_len]
+        if self._live_leases() <= self._held_batches:
+            return read_batch(meta, [lease, overflow])
+        # The loop keeps batches alive: copy this one out so workers keep
+        # enough slots to fill (never a deadlock, never an overwrite).
+        meta = bytes(meta)
+        copy = torch.frombuffer(lease, dtype=torch.uint8)[:data_len].clone() if data_len else None
+        del lease  # frees the slot now
+        return read_batch(meta, [copy, overflow])
+
+    def _map_overflow(self, task: _Task) -> mmap.mmap:
+        assert self._pool is not None
+        fd = self._pool.recv_overflow(task.worker, task.seq)
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def _live_leases(self) -> int:
+        pipeline = len(self._inflight) + sum(1 for t in self._task_info.values() if t.done)
+        return self._ring.num_slots - self._ring.free_slot_count() - pipeline
+
+    def _learn(self, batch_bytes: int) -> None:
+        loader = self._loader_ref
+        if batch_bytes > loader._learned_batch_bytes:
+            loader._learned_batch_bytes = batch_bytes
+
+    # ---- shutdown ----------------------------------------------------------
+    def _shutdown_workers(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        if self._pool is not None:
+            self._pool.shutdown()
+        # Slots still leased by the user stay mapped until their views die.
+        self._inflight.clear()
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+
+def _slot_bytes(ring: Any, slot: int, off: int, n: int) -> bytes:
+    region = ring.payload_region()
+    start = slot * ring.slot_bytes + off
+    return bytes(memoryview(region)[start : start + n])
+
+
+def _short(items: Sequence[Any], limit: int = 8) -> str:
+    shown = ", ".join(repr(i) for i in items[:limit])
+    more = f", ... ({len(items)} in all)" if len(items) > limit else ""
+    return f"[{shown}{more}]"

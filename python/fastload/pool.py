@@ -1,0 +1,209 @@
+"""The worker pool: one ring and the processes that fill it.
+
+Owned by one loader iterator. Create starts the workers (spawn unless the
+loader names another start method); :meth:`WorkerPool.shutdown` stops them,
+escalating from the ring's shutdown flag to SIGTERM to SIGKILL, and is also
+run by a finalizer, so a pool dropped without shutdown (``break``, an
+exception, ``del``) still leaves no process behind. The memory needs no
+clean-up: a memfd disappears with the last process holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from . import _core
+from ._ring import RingHandle
+from .worker import ACCELERATOR_ENV, _OVERFLOW_MSG, WorkerSpec, worker_main
+
+log = logging.getLogger("fastload")
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _accelerators_hidden(active: bool) -> Iterator[None]:
+    """Hide accelerators from processes started inside this block.
+
+    A spawned interpreter reads its environment before any of our code runs
+    (it may import the user's ``__main__``), so the variables are set in this
+    process for the duration of the starts and restored after. The worker sets
+    them again first thing, which covers fork and forkserver.
+    """
+    if not active:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in ACCELERATOR_ENV}
+        try:
+            for k in ACCELERATOR_ENV:
+                os.environ[k] = ""
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
+          socks: List[socket.socket], grace_s: float = 2.0) -> None:
+    """Stop workers and release our ends; idempotent; safe at interpreter exit."""
+    try:
+        ring.shutdown()
+    except Exception:  # pragma: no cover - never let clean-up raise
+        pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # pragma: no cover
+            pass
+    for p in procs:
+        try:
+            if p.pid is not None and p.is_alive():
+                log.warning("fastload worker pid %s did not stop in %.1fs; terminating it",
+                            p.pid, grace_s)
+                p.terminate()
+                p.join(1.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(1.0)
+        except Exception:  # pragma: no cover
+            pass
+    for s in socks:
+        try:
+            s.close()
+        except Exception:  # pragma: no cover
+            pass
+    try:
+        ring.close_fd()
+    except Exception:  # pragma: no cover
+        pass
+
+
+class WorkerPool:
+    """Main side: a ring and ``num_workers`` processes feeding it."""
+
+    def __init__(
+        self,
+        *,
+        ctx: multiprocessing.context.BaseContext,
+        num_workers: int,
+        num_slots: int,
+        slot_bytes: int,
+        blob: bytes,
+        base_seed: int,
+        dataset_kind: int,
+        auto_collation: bool,
+        drop_last: bool,
+        hide_accelerators: bool,
+        force_shm: bool = False,
+    ) -> None:
+        self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
+        self.procs: List[multiprocessing.process.BaseProcess] = []
+        self._socks: List[socket.socket] = []
+        self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
+        self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks)
+        handle = RingHandle(self.ring)
+        spawnlike = ctx.get_start_method() in ("spawn", "forkserver")
+        try:
+            with _accelerators_hidden(hide_accelerators and spawnlike):
+                for i in range(num_workers):
+                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                    self._socks.append(mine)
+                    spec = WorkerSpec(
+                        ring=handle,
+                        sock=theirs,
+                        worker_id=i,
+                        num_workers=num_workers,
+                        blob=blob,
+                        base_seed=base_seed,
+                        dataset_kind=dataset_kind,
+                        auto_collation=auto_collation,
+                        drop_last=drop_last,
+                        parent_pid=os.getpid(),
+                        hide_accelerators=hide_accelerators,
+                    )
+                    p = ctx.Process(
+                        target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
+                    )
+                    try:
+                        p.start()
+                    finally:
+                        theirs.close()
+                    self.procs.append(p)
+        except BaseException:
+            self.shutdown()
+            raise
+        log.debug("fastload: started %d workers (%s), ring %d x %d bytes (%s)", num_workers,
+                  ctx.get_start_method(), num_slots, self.ring.slot_bytes, self.ring.backend)
+
+    @property
+    def pids(self) -> Tuple[int, ...]:
+        return tuple(p.pid for p in self.procs)  # type: ignore[misc]
+
+    def dead_workers(self) -> List[Tuple[int, int, int]]:
+        """(worker id, pid, exit code) of every worker that has exited."""
+        out = []
+        for i, p in enumerate(self.procs):
+            code = p.exitcode
+            if code is not None:
+                out.append((i, p.pid, code))  # type: ignore[arg-type]
+        return out
+
+    def recv_overflow(self, worker: int, seq: int) -> int:
+        """The overflow segment fd a worker sent for batch ``seq``."""
+        fd = self._overflow_fds.pop(seq, None)
+        sock = self._socks[worker]
+        while fd is None:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, _OVERFLOW_MSG.size, 1)
+            if not fds:
+                raise RuntimeError(f"fastload: worker {worker} closed its channel before sending "
+                                   f"the overflow data of batch {seq}")
+            (got,) = _OVERFLOW_MSG.unpack(msg)
+            if got == seq:
+                fd = fds[0]
+            else:
+                self._overflow_fds[got] = fds[0]
+        return fd
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent)."""
+        for fd in self._overflow_fds.values():
+            os.close(fd)
+        self._overflow_fds.clear()
+        self._finalizer()
+
+
+def describe_exit(pid: int, exitcode: int) -> str:
+    """DataLoader's wording for a worker that died."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+            desc = signal.strsignal(-exitcode) or name
+        except ValueError:
+            desc = f"signal {-exitcode}"
+        return f"DataLoader worker (pid {pid}) is killed by signal: {desc}. "
+    return (
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+        "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
+        "better error trace."
+    )
+
+
+def default_context() -> multiprocessing.context.BaseContext:
+    return multiprocessing.get_context("spawn")
+
+

@@ -1,0 +1,292 @@
+"""Batch wire format: how a batch lives in a slot (or an overflow segment).
+
+A worker writes a batch into the payload of its slot as::
+
+    [arena: tensor data and out-of-band buffers, each 64-byte aligned][meta]
+
+``meta`` is a pickle (protocol 5) of the batch in which every CPU tensor is
+replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
+extent)`` — naming bytes in the arena, and every out-of-band pickle buffer
+(numpy arrays and the like) is listed as ``(buffer, offset, length)``.
+``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
+fit its slot. Tensors that the default collate stacked straight into the
+slot are described where they already lie: no copy. Anything else is copied
+once into the arena.
+
+The main process rebuilds the batch with tensors and arrays that *view* the
+slot: :func:`read_batch` takes the byte buffers and never copies them.
+
+Which process calls what: :class:`SlotWriter` lives in workers,
+:func:`read_batch` in the main process. Neither knows about the ring's
+states; ``worker.py`` and ``loader.py`` do.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+ALIGN = 64
+
+# Result kinds a worker commits with (the ring carries them opaquely).
+KIND_DATA = 0
+KIND_ERROR = 1
+KIND_EXHAUSTED = 2
+FLAG_OVERFLOW = 0x10
+
+_NO_BUFFERS = b"\x00"
+_WITH_BUFFERS = b"\x01"
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element."""
+    if t.numel() == 0:
+        return 0
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _plain_cpu_tensor(obj: Any) -> bool:
+    return (
+        type(obj) is torch.Tensor
+        and obj.layout == torch.strided
+        and obj.device.type == "cpu"
+        and not obj.is_quantized
+    )
+
+
+class _Arena:
+    """Bump allocator over one byte range."""
+
+    __slots__ = ("cap", "off")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.off = 0
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        start = _align(self.off)
+        if start + nbytes > self.cap:
+            return None
+        self.off = start + nbytes
+        return start
+
+
+class SlotWriter:
+    """Worker side: writes batches into slots of the ring's payload.
+
+    ``payload`` is a writable buffer over all slots (``Ring.payload_region()``);
+    slot ``k`` is ``payload[k * slot_bytes:(k + 1) * slot_bytes]``.
+    Call :meth:`begin` before the batch is made (the default collate then
+    stacks into the slot through :meth:`alloc_tensor`), then :meth:`finish`.
+    """
+
+    def __init__(self, payload: Any, slot_bytes: int) -> None:
+        self._u8 = torch.frombuffer(payload, dtype=torch.uint8)
+        self._mv = memoryview(payload).cast("B")
+        self._base_ptr = self._u8.data_ptr()
+        self.slot_bytes = slot_bytes
+        self._slot_start = 0
+        self._arena: Optional[_Arena] = None
+        self._overflow: Optional[_Arena] = None
+        self._pending: List[Tuple[int, Any]] = []  # (overflow offset, tensor or memoryview)
+        self._buffers: List[Tuple[int, int, int]] = []
+
+    # -- during the batch --------------------------------------------------
+    def begin(self, slot: int) -> None:
+        self._slot_start = slot * self.slot_bytes
+        self._arena = _Arena(self.slot_bytes)
+        self._overflow = None
+        self._pending = []
+        self._buffers = []
+
+    def abort(self) -> None:
+        """Drop the batch being written (it failed); the slot is reused as is."""
+        self._arena = None
+        self._overflow = None
+        self._pending = []
+        self._buffers = []
+
+    def alloc_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A contiguous tensor in the current slot, or None when it is full."""
+        if self._arena is None:
+            return None
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * dtype.itemsize
+        off = self._arena.alloc(nbytes)
+        if off is None:
+            return None
+        start = self._slot_start + off
+        return self._u8[start : start + nbytes].view(dtype).view(tuple(shape))
+
+    def _place(self, nbytes: int) -> Tuple[int, int]:
+        """(buffer id, offset) for nbytes: the slot if room is left, else overflow."""
+        assert self._arena is not None
+        off = self._arena.alloc(nbytes)
+        if off is not None:
+            return 0, off
+        if self._overflow is None:
+            self._overflow = _Arena(1 << 62)
+        return 1, self._overflow.alloc(nbytes)  # type: ignore[return-value]
+
+    # -- pickling hooks ----------------------------------------------------
+    def tensor_id(self, t: torch.Tensor) -> Optional[tuple]:
+        if not _plain_cpu_tensor(t):
+            return None
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        extent = _extent_bytes(t)
+        ptr = t.data_ptr() - self._base_ptr - self._slot_start
+        assert self._arena is not None
+        if extent > 0 and 0 <= ptr and ptr + extent <= self._arena.off:
+            # Already in this slot (stacked there by the collate): describe it.
+            return (0, ptr, t.dtype, tuple(t.shape), t.stride(), extent, t.requires_grad)
+        nbytes = t.numel() * t.element_size()
+        buf, off = self._place(nbytes)
+        if buf == 0 and nbytes:
+            start = self._slot_start + off
+            self._u8[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        elif nbytes:
+            self._pending.append((off, t))
+        stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
+        return (buf, off, t.dtype, tuple(t.shape), stride, nbytes, t.requires_grad)
+
+    def buffer_callback(self, pb: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pb.raw()
+        except BufferError:
+            return True  # not contiguous: pickle it in band
+        n = raw.nbytes
+        buf, off = self._place(n)
+        if buf == 0:
+            start = self._slot_start + off
+            self._mv[start : start + n] = raw
+        else:
+            self._pending.append((off, raw))
+        self._buffers.append((buf, off, n))
+        return False
+
+    # -- end of batch ------------------------------------------------------
+    def finish(self, obj: Any) -> Tuple[int, int, int, Optional[int], int]:
+        """Serialise ``obj``; returns (data_len, meta_offset, meta_len, overflow_fd, overflow_len).
+
+        With an overflow fd, data_len/meta_* describe the overflow segment
+        for the meta (which then lies there) and the slot keeps its part.
+        """
+        try:
+            bio = io.BytesIO()
+            p = _BatchPickler(bio, self)
+            p.dump(obj)
+            body = bio.getbuffer()
+            if self._buffers:
+                meta = _WITH_BUFFERS + pickle.dumps((self._buffers, bytes(body)), protocol=5)
+            else:
+                meta = _NO_BUFFERS + bytes(body)
+            assert self._arena is not None
+            data_len = self._arena.off
+            if self._overflow is None:
+                meta_off = self._arena.alloc(len(meta))
+                if meta_off is not None:
+                    start = self._slot_start + meta_off
+                    self._mv[start : start + len(meta)] = meta
+                    return data_len, meta_off, len(meta), None, 0
+                self._overflow = _Arena(1 << 62)
+            meta_off = self._overflow.alloc(len(meta))
+            assert meta_off is not None
+            total = meta_off + len(meta)
+            fd = _write_overflow(total, self._pending, meta_off, meta)
+            return data_len, meta_off, len(meta), fd, total
+        finally:
+            self._arena = None
+            self._pending = []
+            self._buffers = []
+
+
+def _write_overflow(total: int, pending: List[Tuple[int, Any]], meta_off: int, meta: bytes) -> int:
+    fd = os.memfd_create("fastload-overflow", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(total, 1))
+        with mmap.mmap(fd, max(total, 1)) as mm:
+            u8 = torch.frombuffer(mm, dtype=torch.uint8)
+            for off, item in pending:
+                if isinstance(item, torch.Tensor):
+                    n = item.numel() * item.element_size()
+                    u8[off : off + n].view(item.dtype).view(item.shape).copy_(item)
+                else:
+                    mm[off : off + item.nbytes] = item
+            mm[meta_off : meta_off + len(meta)] = meta
+            del u8
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _BatchPickler(pickle.Pickler):
+    def __init__(self, f: io.BytesIO, writer: SlotWriter) -> None:
+        super().__init__(f, protocol=5, buffer_callback=writer.buffer_callback)
+        self._writer = writer
+
+    def persistent_id(self, obj: Any) -> Optional[tuple]:
+        if type(obj) is torch.Tensor:
+            return self._writer.tensor_id(obj)
+        return None
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list]) -> None:
+        super().__init__(f, buffers=buffers)
+        self._bases = bases
+        self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
+
+    def persistent_load(self, pid: tuple) -> torch.Tensor:
+        buf, off, dtype, shape, stride, extent, requires_grad = pid
+        if extent == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            u8 = self._u8[buf]
+            if u8 is None:
+                base = self._bases[buf]
+                if not isinstance(base, torch.Tensor):
+                    base = torch.frombuffer(base, dtype=torch.uint8)
+                u8 = self._u8[buf] = base
+            t = u8[off : off + extent].view(dtype).as_strided(shape, stride)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
+
+
+def read_batch(meta: Any, bases: List[Any]) -> Any:
+    """Main side: rebuild a batch from ``meta`` whose tensors view ``bases``.
+
+    ``bases[0]`` is the slot's data (a leased Region or a copy of it),
+    ``bases[1]`` the overflow mapping if any. The result keeps the bases
+    alive for as long as any of its tensors or arrays is.
+    """
+    mv = memoryview(meta)
+    head, body = bytes(mv[:1]), mv[1:]
+    buffers = None
+    if head == _WITH_BUFFERS:
+        descs, body = pickle.loads(body)
+        views = [_bytes_view(b) for b in bases]
+        buffers = [views[b][off : off + n] for b, off, n in descs]
+    return _BatchUnpickler(io.BytesIO(body), bases, buffers).load()
+
+
+def _bytes_view(base: Any) -> Optional[memoryview]:
+    if base is None:
+        return None
+    if isinstance(base, torch.Tensor):
+        return memoryview(base.numpy()).cast("B")  # type: ignore[no-any-return]
+    return memoryview(base).cast("B")
