@@ -1,0 +1,133 @@
+"""The C++ ring through its bindings, in one process: states, leases, backends."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastload import _core
+from fastload._core import Ring, SlotState, WaitResult
+
+
+def _roundtrip(ring: Ring, worker: int = 0) -> int:
+    slot = ring.pop_free_slot()
+    assert slot is not None
+    ring.assign(slot, 5, worker, b"task")
+    assert ring.state(slot) == SlotState.ASSIGNED
+    st, got, seq, n = ring.next_task(worker, 0.1)
+    assert (st, got, seq, n) == (WaitResult.READY, slot, 5, 4)
+    assert ring.state(slot) == SlotState.WRITING
+    region = ring.payload_region()
+    mv = memoryview(region)
+    start = slot * ring.slot_bytes
+    assert bytes(mv[start : start + 4]) == b"task"
+    mv[start : start + 3] = b"abc"
+    del mv
+    ring.commit(slot, 0, 3, 0, 0)
+    assert ring.wait_ready(slot, 5, 0.1) == WaitResult.READY
+    assert ring.result(slot) == (0, 3, 0, 0)
+    return slot
+
+
+def test_slot_cycle_and_lease_frees_on_last_view() -> None:
+    ring = Ring.create(2, 1, 1 << 16)
+    assert ring.backend == "memfd"
+    slot = _roundtrip(ring)
+    lease = ring.lease(slot, 3)
+    t = torch.frombuffer(lease, dtype=torch.uint8)
+    view = t[1:]
+    del lease, t
+    gc.collect()
+    assert ring.state(slot) == SlotState.LEASED  # a view is still alive
+    assert bytes(view.numpy()) == b"bc"
+    del view
+    gc.collect()
+    assert ring.state(slot) == SlotState.FREE
+    assert ring.free_slot_count() == 2
+
+
+def test_stale_stamp_never_looks_ready() -> None:
+    ring = Ring.create(1, 1, 1 << 16)
+    slot = _roundtrip(ring)
+    assert not ring.is_ready(slot, 4)
+    assert ring.wait_ready(slot, 6, 0.05) == WaitResult.TIMED_OUT
+    ring.release(slot)
+
+
+def test_waits_time_out_and_see_shutdown() -> None:
+    ring = Ring.create(1, 1, 1 << 16)
+    st, *_ = ring.next_task(0, 0.05)
+    assert st == WaitResult.TIMED_OUT
+    ring.shutdown()
+    st, *_ = ring.next_task(0, 5.0)
+    assert st == WaitResult.SHUTDOWN
+
+
+def test_bad_geometry_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="num_slots"):
+        Ring.create(0, 1, 4096)
+    with pytest.raises(ValueError, match="num_slots"):
+        Ring.create(_core.MAX_SLOTS + 1, 1, 4096)
+    with pytest.raises(ValueError, match="num_workers"):
+        Ring.create(1, 0, 4096)
+
+
+def test_attach_checks_magic() -> None:
+    fd = os.memfd_create("not-a-ring")
+    os.ftruncate(fd, 1 << 16)
+    with pytest.raises(RuntimeError, match="magic"):
+        Ring.attach(fd)  # takes ownership of fd and closes it
+
+
+def test_attach_maps_the_same_memory() -> None:
+    ring = Ring.create(1, 1, 1 << 16)
+    other = Ring.attach(os.dup(ring.fd))
+    slot = ring.pop_free_slot()
+    ring.assign(slot, 9, 0, b"xyz")
+    st, got, seq, n = other.next_task(0, 1.0)
+    assert (st, got, seq, n) == (WaitResult.READY, slot, 9, 3)
+    other.commit(slot, 2, 0, 0, 0)
+    assert ring.wait_ready(slot, 9, 1.0) == WaitResult.READY
+    assert ring.result(slot)[0] == 2
+
+
+def test_posix_shm_fallback_leaves_nothing_in_dev_shm() -> None:
+    before = set(os.listdir("/dev/shm"))
+    ring = Ring.create(2, 1, 1 << 16, force_shm=True)
+    assert ring.backend == "posix_shm"
+    assert set(os.listdir("/dev/shm")) == before  # unlinked at creation
+    _roundtrip(ring)
+
+
+def _can_mount_small_shm() -> bool:
+    if os.geteuid() != 0:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_small_shm(), reason="needs root and unshare -m to mount a small /dev/shm")
+def test_full_dev_shm_is_an_exception_not_a_sigbus() -> None:
+    code = (
+        "from fastload._core import Ring\n"
+        "try:\n"
+        "    Ring.create(4, 1, 32 << 20, force_shm=True)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+        "r = Ring.create(4, 1, 32 << 20)\n"  # memfd: not limited by the mount
+        "print('MEMFD', r.backend)\n"
+    )
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f"mount -t tmpfs -o size=64m tmpfs /dev/shm && {sys.executable} -c \"$0\"", code],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERR fastload: cannot reserve 128.0 MiB in /dev/shm" in r.stdout
+    assert "--shm-size" in r.stdout
+    assert "MEMFD memfd" in r.stdout
