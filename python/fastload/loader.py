@@ -18,6 +18,7 @@ import os
 import pickle
 import time
 import mmap
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _core, _pickling
 from .pool import WorkerPool, describe_exit, default_context
+from .worker import OP_FETCH
 from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, read_batch
 
 __all__ = ["FastLoader"]
@@ -57,7 +59,12 @@ class FastLoader(DataLoader[T_co]):
             overflow segment.
         held_batches: how many batches the training loop may keep alive
             while still getting zero-copy batches; past that, batches are
-            copied out of the ring so the workers never run dry (default 2).
+            copied out of the ring so the workers never run dry (default 4).
+        reuse_workers: with ``persistent_workers=False``, keep the worker
+            processes between epochs and start each epoch by re-sending the
+            dataset and reseeding them as fresh DataLoader workers would be
+            (default True; the processes end with the loader). False starts
+            new processes every epoch, as DataLoader does.
 
     Differences from DataLoader, on purpose: workers are started with
     ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
@@ -88,7 +95,8 @@ class FastLoader(DataLoader[T_co]):
         in_order: bool = True,
         allow_gpu_in_workers: bool = False,
         slot_bytes: Optional[int] = None,
-        held_batches: int = 2,
+        held_batches: int = 4,
+        reuse_workers: bool = True,
     ) -> None:
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
             raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
@@ -97,7 +105,9 @@ class FastLoader(DataLoader[T_co]):
         self.allow_gpu_in_workers = bool(allow_gpu_in_workers)
         self.slot_bytes = slot_bytes
         self.held_batches = held_batches
+        self.reuse_workers = bool(reuse_workers)
         self._learned_batch_bytes = 0
+        self._idle_pool: Optional[WorkerPool] = None
         super().__init__(
             dataset,
             batch_size,
@@ -124,6 +134,21 @@ class FastLoader(DataLoader[T_co]):
         self.check_worker_number_rationality()
         return _FastLoaderIter(self)
 
+    def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
+        pool, self._idle_pool = self._idle_pool, None
+        if pool is None:
+            return None
+        if pool.config == config and pool.alive:
+            return pool
+        pool.shutdown()
+        return None
+
+    def _keep_idle_pool(self, pool: WorkerPool) -> None:
+        if self.reuse_workers and self._idle_pool is None and pool.alive:
+            self._idle_pool = pool
+        else:
+            pool.shutdown()
+
 
 class _Task:
     """One dispatched batch: who makes it, where it lands, what came back."""
@@ -149,57 +174,69 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._in_order = getattr(loader, "in_order", True)
         if self._prefetch_factor <= 0:
             raise AssertionError("prefetch_factor must be greater than 0 for multi-process loading")
-        self._loader_ref = loader
+        self._loader_ref = weakref.ref(loader)
         self._held_batches = loader.held_batches
         self._pool: Optional[WorkerPool] = None
         self._shutdown = False
-        self._seq = 0  # ring stamps: never reused, across epochs too
         self._epoch = 0
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
+        self._task_info: Dict[int, _Task] = {}
+        self._session: Dict[int, Tuple[int, int]] = {}  # seq -> (slot, worker) of session tasks
 
-        ctx = loader.multiprocessing_context or default_context()
-        worker_init_fn = loader.worker_init_fn
         blob = _pickling.dumps_by_value(
-            (self._dataset, self._collate_fn, worker_init_fn),
+            (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
+             self._auto_collation, self._drop_last),
             "dataset, collate_fn and worker_init_fn",
         )
-        num_slots = self._num_workers * self._prefetch_factor + self._held_batches
+        # A slot per possible task, one per worker for its session task, and
+        # the batches the loop may hold.
+        num_slots = self._num_workers * (self._prefetch_factor + 1) + self._held_batches
         if num_slots > _core.MAX_SLOTS:
             raise ValueError(
-                f"num_workers * prefetch_factor + held_batches must be at most {_core.MAX_SLOTS}, "
-                f"got {num_slots}"
+                "num_workers * (prefetch_factor + 1) + held_batches must be at most "
+                f"{_core.MAX_SLOTS}, got {num_slots}"
             )
         force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
         slot_bytes = loader.slot_bytes
         if slot_bytes is None:
             slot_bytes = _DEFAULT_SLOT_BYTES_SHM if force_shm else _DEFAULT_SLOT_BYTES
-            slot_bytes = max(slot_bytes, loader._learned_batch_bytes * 5 // 4)
+            learned = loader._learned_batch_bytes * 5 // 4
+            if learned > slot_bytes:
+                slot_bytes = -(-learned // (1 << 20)) << 20
         slot_bytes = max(int(slot_bytes), _MIN_SLOT_BYTES)
-        self._pool = WorkerPool(
-            ctx=ctx,
-            num_workers=self._num_workers,
-            num_slots=num_slots,
-            slot_bytes=slot_bytes,
-            blob=blob,
-            base_seed=self._base_seed,
-            dataset_kind=self._dataset_kind,
-            auto_collation=self._auto_collation,
-            drop_last=self._drop_last,
-            hide_accelerators=not loader.allow_gpu_in_workers,
-            force_shm=force_shm,
-        )
-        self._ring = self._pool.ring
+        ctx = loader.multiprocessing_context or default_context()
+        hide = not loader.allow_gpu_in_workers
+        config = (ctx, self._num_workers, num_slots, slot_bytes, hide, force_shm)
+        pool = None
+        if not self._persistent_workers:
+            pool = loader._take_idle_pool(config)
+        if pool is None:
+            pool = WorkerPool(ctx=ctx, num_workers=self._num_workers, num_slots=num_slots,
+                              slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm)
+        self._pool = pool
+        self._ring = pool.ring
+        try:
+            self._drain_orphans()
+            self._session = {seq: (slot, w) for seq, slot, w in
+                             pool.start_session(blob, self._base_seed)}
+        except BaseException:
+            self._shutdown_workers()
+            raise
         self._reset(loader, first_iter=True)
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         if not first_iter:
-            self._drain()
+            # A persistent pool's next epoch: DataLoader waits for every
+            # worker to acknowledge _ResumeIteration; we wait out the
+            # previous epoch's batches, then tag tasks with the new epoch.
+            self._release_unclaimed()
+            self._drain_inflight()
             self._epoch += 1
         self._send_idx = 0
         self._rcvd_idx = 0
-        self._task_info: Dict[int, _Task] = {}
+        self._task_info = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -207,15 +244,31 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
-    def _drain(self) -> None:
-        """Wait out and free the previous epoch's batches (a persistent pool's reset)."""
-        for task in list(self._task_info.values()):
+    def _release_unclaimed(self) -> None:
+        """Free the slots of results nobody will take (their batches were skipped)."""
+        for task in self._task_info.values():
             if task.done:
-                self._release_result(task)
+                self._discard_result(task.seq, task.slot, task.worker)
         self._task_info = {}
+
+    def _drain_inflight(self) -> None:
         while self._inflight:
-            self._receive_one(deadline=None)
-        # Results that arrived during the drain are stale: free their slots.
+            task = self._receive_one(deadline=None)
+            self._discard_result(task.seq, task.slot, task.worker)
+
+    def _drain_orphans(self) -> None:
+        """Wait out the batches a previous iterator of this pool left in flight."""
+        assert self._pool is not None
+        for seq, slot, worker in self._pool.orphans:
+            task = _Task(-1, seq, worker, slot, None)
+            self._inflight[seq] = task
+        self._pool.orphans = []
+        self._drain_inflight()
+
+    def _discard_result(self, seq: int, slot: int, worker: int) -> None:
+        if self._ring.result(slot)[0] & FLAG_OVERFLOW and self._pool is not None:
+            os.close(self._pool.recv_overflow(worker, seq))
+        self._ring.release(slot)
 
     # ---- sending -----------------------------------------------------------
     def _try_put_index(self) -> None:
@@ -240,9 +293,11 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         slot = self._ring.pop_free_slot()
         if slot is None:  # cannot happen: the ring has a slot per possible task + held ones
             raise AssertionError("fastload: no free slot for a new task")
-        seq = self._seq
-        self._seq += 1
-        task_bytes = pickle.dumps((self._epoch, index), protocol=pickle.HIGHEST_PROTOCOL)
+        assert self._pool is not None
+        seq = self._pool.next_seq()
+        task_bytes = pickle.dumps(
+            (OP_FETCH, self._epoch, self._send_idx, index), protocol=pickle.HIGHEST_PROTOCOL
+        )
         try:
             self._ring.assign(slot, seq, worker_queue_idx, task_bytes)
         except BaseException:
@@ -261,15 +316,22 @@ class _FastLoaderIter(_BaseDataLoaderIter):
 
         Watches worker liveness every _POLL_S and the user's ``timeout``.
         """
-        tasks = list(self._inflight.values())
-        slots = [t.slot for t in tasks]
-        seqs = [t.seq for t in tasks]
         while True:
+            for seq, (slot, _w) in list(self._session.items()):
+                if self._ring.is_ready(slot, seq):  # a worker took its session
+                    self._ring.release(slot)
+                    del self._session[seq]
+            tasks = list(self._inflight.values())
+            seqs = [t.seq for t in tasks] + list(self._session)
+            slots = [t.slot for t in tasks] + [slot for slot, _w in self._session.values()]
             wait = _POLL_S
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
             status, which = self._ring.wait_any(slots, seqs, wait)
             if status == _core.WaitResult.READY:
+                if which >= len(tasks):  # a worker took its session: free that slot
+                    self._ring.release(self._session.pop(seqs[which])[0])
+                    continue
                 task = tasks[which]
                 del self._inflight[task.seq]
                 task.kind = self._ring.result(task.slot)[0]
@@ -299,8 +361,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         raise RuntimeError("".join(msgs).strip())
 
     def _release_result(self, task: _Task) -> None:
-        if self._ring is not None:
-            self._ring.release(task.slot)
+        self._discard_result(task.seq, task.slot, task.worker)
 
     def _next_data(self) -> Any:
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -315,7 +376,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
             else:
                 if not self._persistent_workers:
-                    self._shutdown_workers()
+                    self._hand_back_pool()
                 raise StopIteration
 
             task = self._task_info[self._rcvd_idx]
@@ -398,27 +459,59 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             os.close(fd)
 
     def _live_leases(self) -> int:
-        pipeline = len(self._inflight) + sum(1 for t in self._task_info.values() if t.done)
+        pipeline = (len(self._inflight) + len(self._session)
+                    + sum(1 for t in self._task_info.values() if t.done))
         return self._ring.num_slots - self._ring.free_slot_count() - pipeline
 
     def _learn(self, batch_bytes: int) -> None:
-        loader = self._loader_ref
-        if batch_bytes > loader._learned_batch_bytes:
+        loader = self._loader_ref()
+        if loader is not None and batch_bytes > loader._learned_batch_bytes:
             loader._learned_batch_bytes = batch_bytes
 
     # ---- shutdown ----------------------------------------------------------
-    def _shutdown_workers(self) -> None:
+    def _hand_back_pool(self) -> None:
+        """End of this iterator: give a healthy pool back to the loader, warm.
+
+        Batches still in flight go with it as orphans: the next iterator
+        waits them out before its session, so nothing is freed under a worker.
+        """
         if self._shutdown:
             return
         self._shutdown = True
-        if self._pool is not None:
-            self._pool.shutdown()
-        # Slots still leased by the user stay mapped until their views die.
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        loader = self._loader_ref()
+        if loader is None or self._persistent_workers or not pool.alive:
+            pool.shutdown()
+            return
+        for task in self._task_info.values():
+            if task.done:
+                self._discard_result(task.seq, task.slot, task.worker)
+        pool.orphans = [(t.seq, t.slot, t.worker) for t in self._inflight.values()]
+        pool.orphans += [(seq, slot, w) for seq, (slot, w) in self._session.items()]
+        self._inflight.clear()
+        self._task_info = {}
+        self._session = {}
+        loader._keep_idle_pool(pool)
+
+    def _shutdown_workers(self) -> None:
+        """Stop the workers for good (an error, or the end of a persistent iterator)."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
+        # Slots still leased by the loop stay mapped until their views die.
         self._inflight.clear()
 
     def __del__(self) -> None:
         try:
-            self._shutdown_workers()
+            if getattr(self, "_persistent_workers", True):
+                self._shutdown_workers()
+            else:
+                self._hand_back_pool()
         except Exception:  # pragma: no cover - interpreter teardown
             pass
 

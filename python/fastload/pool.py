@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -23,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import _core
 from ._ring import RingHandle
-from .worker import ACCELERATOR_ENV, _OVERFLOW_MSG, WorkerSpec, worker_main
+from .worker import ACCELERATOR_ENV, OP_SESSION, _OVERFLOW_MSG, WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")
 
@@ -94,7 +96,13 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
 
 
 class WorkerPool:
-    """Main side: a ring and ``num_workers`` processes feeding it."""
+    """Main side: a ring and ``num_workers`` processes feeding it.
+
+    A pool outlives one iterator when the loader keeps it warm: the next
+    iterator starts a new *session* (the dataset re-sent, workers reseeded)
+    instead of spawning processes again. Stamps (``next_seq``) are the
+    pool's, so they never repeat across sessions.
+    """
 
     def __init__(
         self,
@@ -103,18 +111,18 @@ class WorkerPool:
         num_workers: int,
         num_slots: int,
         slot_bytes: int,
-        blob: bytes,
-        base_seed: int,
-        dataset_kind: int,
-        auto_collation: bool,
-        drop_last: bool,
         hide_accelerators: bool,
         force_shm: bool = False,
     ) -> None:
+        self.config = (ctx, num_workers, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
+        self.num_workers = num_workers
         self.procs: List[multiprocessing.process.BaseProcess] = []
         self._socks: List[socket.socket] = []
         self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
+        self._seq = 0
+        # (seq, slot, worker) of tasks a previous iterator left in flight.
+        self.orphans: List[Tuple[int, int, int]] = []
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks)
         handle = RingHandle(self.ring)
         spawnlike = ctx.get_start_method() in ("spawn", "forkserver")
@@ -128,11 +136,6 @@ class WorkerPool:
                         sock=theirs,
                         worker_id=i,
                         num_workers=num_workers,
-                        blob=blob,
-                        base_seed=base_seed,
-                        dataset_kind=dataset_kind,
-                        auto_collation=auto_collation,
-                        drop_last=drop_last,
                         parent_pid=os.getpid(),
                         hide_accelerators=hide_accelerators,
                     )
@@ -153,6 +156,39 @@ class WorkerPool:
     @property
     def pids(self) -> Tuple[int, ...]:
         return tuple(p.pid for p in self.procs)  # type: ignore[misc]
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and not self.dead_workers()
+
+    def next_seq(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def start_session(self, blob: bytes, base_seed: int) -> List[Tuple[int, int, int]]:
+        """Send every worker the pickled dataset and its seeds; returns the
+        (seq, slot, worker) of the session tasks, whose slots the caller frees
+        when they complete."""
+        fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, len(blob))
+            if blob:
+                with mmap.mmap(fd, len(blob)) as mm:
+                    mm[:] = blob
+            tasks = []
+            task = pickle.dumps((OP_SESSION, base_seed))
+            for w in range(self.num_workers):
+                slot = self.ring.pop_free_slot()
+                if slot is None:
+                    raise AssertionError("fastload: no free slot for a session task")
+                socket.send_fds(self._socks[w], [b"S"], [fd])
+                seq = self.next_seq()
+                self.ring.assign(slot, seq, w, task)
+                tasks.append((seq, slot, w))
+            return tasks
+        finally:
+            os.close(fd)
 
     def dead_workers(self) -> List[Tuple[int, int, int]]:
         """(worker id, pid, exit code) of every worker that has exited."""
@@ -178,6 +214,12 @@ class WorkerPool:
             else:
                 self._overflow_fds[got] = fds[0]
         return fd
+
+    def drop_overflow(self, seq: int) -> None:
+        """Forget an overflow fd of a batch nobody will read."""
+        fd = self._overflow_fds.pop(seq, None)
+        if fd is not None:
+            os.close(fd)
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""

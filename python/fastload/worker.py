@@ -4,10 +4,23 @@ Runs in a process started by :mod:`fastload.pool` (spawn by default). It
 never touches an accelerator: the pool hides them through the environment
 before anything here runs. The loop polls the ring with a timeout, so it
 notices shutdown and the death of the main process on its own.
+
+Tasks (pickled into the slot they belong to):
+
+* ``(OP_SESSION, base_seed)`` — start a session: the pool has just sent,
+  over this worker's socket, the fd of a memfd holding the pickled
+  ``(dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
+  drop_last)``. The worker unpickles it, seeds ``random``/``torch``/``numpy``
+  and sets torch's worker info exactly as a fresh DataLoader worker would,
+  and calls ``worker_init_fn``. A new iterator of a warm pool starts with one.
+* ``(OP_FETCH, epoch, batch_idx, index)`` — make one batch. A new ``epoch`` within a
+  session is DataLoader's ``_ResumeIteration`` (persistent workers): the
+  fetcher is made anew, nothing is reseeded.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import random
@@ -22,23 +35,20 @@ from typing import Any, Optional
 from ._ring import RingHandle
 
 ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+OP_SESSION = 0
+OP_FETCH = 1
 _POLL_S = 0.5
 _OVERFLOW_MSG = struct.Struct("<Q")  # seq of the batch whose overflow fd follows
 
 
 @dataclass
 class WorkerSpec:
-    """Everything one worker needs; pickled once per worker by the start method."""
+    """What one worker needs at start; small, pickled by the start method."""
 
     ring: RingHandle
     sock: socket.socket
     worker_id: int
     num_workers: int
-    blob: bytes  # (dataset, collate_fn, worker_init_fn), pickled once for all workers
-    base_seed: int
-    dataset_kind: int
-    auto_collation: bool
-    drop_last: bool
     parent_pid: int
     hide_accelerators: bool
 
@@ -64,6 +74,79 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
     return f", sample index {index!r}"
 
 
+def _recv_blob(sock: socket.socket) -> bytes:
+    _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    if not fds:
+        raise RuntimeError("fastload: the main process closed the worker channel")
+    fd = fds[0]
+    try:
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            return mm[:]
+    finally:
+        os.close(fd)
+
+
+class _Session:
+    """One session of a worker: a dataset replica, its seeds and its fetcher."""
+
+    def __init__(self, blob: bytes, base_seed: int, worker_id: int, num_workers: int) -> None:
+        import torch
+        from torch._utils import ExceptionWrapper
+        from torch.utils.data._utils import HAS_NUMPY
+        from torch.utils.data._utils import worker as torch_worker
+
+        from . import _pickling
+
+        self.worker_id = worker_id
+        self.where = f"in DataLoader worker process {worker_id}"
+        self.init_exception: Optional[Any] = None
+        self.fetcher: Any = None
+        self.iteration_end = False
+        self.epoch: Optional[int] = None
+        self.dataset: Any = None
+        (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
+         self.drop_last) = (None, None, None, 0, True, False)
+        try:
+            (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
+             self.drop_last) = _pickling.loads(blob)
+        except Exception:
+            self.init_exception = ExceptionWrapper(
+                where=f"{self.where} while unpickling the dataset"
+            )
+        # Exactly what torch's _worker_loop does, in the same order.
+        seed = base_seed + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if HAS_NUMPY:
+            import numpy as np
+
+            np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=self.dataset
+        )
+        if self.init_exception is None:
+            try:
+                if init_fn is not None:
+                    init_fn(worker_id)
+                self.fetcher = self.make_fetcher()
+            except Exception:
+                self.init_exception = ExceptionWrapper(where=self.where)
+
+    def make_fetcher(self) -> Any:
+        from torch.utils.data import _DatasetKind
+
+        return _DatasetKind.create_fetcher(
+            self.dataset_kind, self.dataset, self.auto_collation, self.collate_fn, self.drop_last
+        )
+
+    def new_epoch(self, epoch: int) -> None:
+        if self.epoch is not None and self.init_exception is None:
+            self.fetcher = self.make_fetcher()  # DataLoader's _ResumeIteration
+        self.epoch = epoch
+        self.iteration_end = False
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
     if spec.hide_accelerators:
@@ -75,10 +158,9 @@ def worker_main(spec: WorkerSpec) -> None:
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
 
     import torch
-    from torch.utils.data import _DatasetKind
-    from torch.utils.data._utils import HAS_NUMPY, collate, signal_handling
-    from torch.utils.data._utils import worker as torch_worker
     from torch._utils import ExceptionWrapper
+    from torch.utils.data import _DatasetKind
+    from torch.utils.data._utils import collate, signal_handling
 
     from . import _pickling
     from ._core import WaitResult
@@ -93,7 +175,6 @@ def worker_main(spec: WorkerSpec) -> None:
     mv = memoryview(payload).cast("B")
     slot_bytes = ring.slot_bytes
     writer = SlotWriter(payload, slot_bytes)
-    where = f"in DataLoader worker process {wid}"
 
     # The default collate stacks into the slot being written instead of into
     # torch's /dev/shm-backed shared storage (what DataLoader's workers do):
@@ -110,47 +191,12 @@ def worker_main(spec: WorkerSpec) -> None:
 
     collate.default_collate_fn_map[torch.Tensor] = collate_tensor_into_slot
 
-    init_exception: Optional[Any] = None
-    fetcher = None
-    dataset = collate_fn = init_fn = None
-    try:
-        dataset, collate_fn, init_fn = _pickling.loads(spec.blob)
-    except Exception:
-        init_exception = ExceptionWrapper(where=f"{where} while unpickling the dataset")
-
-    seed = spec.base_seed + wid
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if HAS_NUMPY:
-        import numpy as np
-
-        np.random.seed(torch_worker._generate_state(spec.base_seed, wid))
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=wid, num_workers=spec.num_workers, seed=seed, dataset=dataset
-    )
-
-    def make_fetcher() -> Any:
-        return _DatasetKind.create_fetcher(
-            spec.dataset_kind, dataset, spec.auto_collation, collate_fn, spec.drop_last
-        )
-
-    if init_exception is None:
-        try:
-            if init_fn is not None:
-                init_fn(wid)
-            fetcher = make_fetcher()
-        except Exception:
-            init_exception = ExceptionWrapper(where=where)
-
     def commit_error(slot: int, wrapper: Any) -> None:
         try:
             meta = _pickling.dumps_by_value(wrapper, "error")
         except Exception:
-            meta = pickle.dumps(
-                ExceptionWrapper(
-                    (RuntimeError, RuntimeError(wrapper.msg), None), where=wrapper.where
-                )
-            )
+            plain = RuntimeError(wrapper.msg)
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
         if len(meta) > slot_bytes:
             short = RuntimeError(wrapper.msg[:4096])
             meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
@@ -158,8 +204,7 @@ def worker_main(spec: WorkerSpec) -> None:
         mv[start : start + len(meta)] = meta
         ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
 
-    epoch = -1
-    iteration_end = False
+    session: Optional[_Session] = None
     try:
         while True:
             status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
@@ -170,50 +215,43 @@ def worker_main(spec: WorkerSpec) -> None:
             if status == WaitResult.SHUTDOWN:
                 break
             start = slot * slot_bytes
-            task_epoch, index = pickle.loads(mv[start : start + task_len])
-            if task_epoch != epoch:
-                # A new epoch of a persistent pool: DataLoader's _ResumeIteration.
-                if epoch >= 0 and init_exception is None:
-                    fetcher = make_fetcher()
-                epoch = task_epoch
-                iteration_end = False
-            if iteration_end:
+            task = pickle.loads(mv[start : start + task_len])
+            if task[0] == OP_SESSION:
+                session = None  # drop the old replica before unpickling the new one
+                session = _Session(_recv_blob(spec.sock), task[1], wid, spec.num_workers)
+                ring.commit(slot, KIND_DATA, 0, 0, 0)
+                continue
+            _op, epoch, batch_idx, index = task
+            assert session is not None, "fastload: a fetch task before any session"
+            if epoch != session.epoch:
+                session.new_epoch(epoch)
+            if session.iteration_end:
                 ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
                 continue
-            if init_exception is not None:
-                commit_error(slot, init_exception)
+            if session.init_exception is not None:
+                commit_error(slot, session.init_exception)
                 continue
+            where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
             writer.begin(slot)
             try:
-                data = fetcher.fetch(index)  # type: ignore[union-attr]
+                data = session.fetcher.fetch(index)
             except StopIteration:
-                if spec.dataset_kind == _DatasetKind.Iterable:
-                    iteration_end = True
-                    writer.abort()
-                    ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
-                    continue
                 writer.abort()
-                commit_error(
-                    slot, ExceptionWrapper(where=f"{where} (batch {seq}{_describe_indices(index)})")
-                )
+                if session.dataset_kind == _DatasetKind.Iterable:
+                    session.iteration_end = True
+                    ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+                else:
+                    commit_error(slot, ExceptionWrapper(where=where))
                 continue
             except Exception:
                 writer.abort()
-                commit_error(
-                    slot, ExceptionWrapper(where=f"{where} (batch {seq}{_describe_indices(index)})")
-                )
+                commit_error(slot, ExceptionWrapper(where=where))
                 continue
             try:
                 data_len, meta_off, meta_len, ofd, _ = writer.finish(data)
             except Exception:
                 del data
-                commit_error(
-                    slot,
-                    ExceptionWrapper(
-                        where=f"{where} while sending batch {seq}{_describe_indices(index)} "
-                        "to the main process"
-                    ),
-                )
+                commit_error(slot, ExceptionWrapper(where=f"{where} while sending it to the main process"))
                 continue
             del data
             kind = KIND_DATA
