@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _core, _pickling
@@ -415,6 +416,10 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             data = self._take(task)
         finally:
             self._try_put_index()
+        if self._pin_memory:
+            # Until the ring itself is registered with the runtime, pin as
+            # DataLoader's pin thread does: a copy into page-locked memory.
+            data = pin_memory(data, self._pin_memory_device)
         return data
 
     def _take(self, task: _Task) -> Any:
