@@ -20,6 +20,12 @@ size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 uint32_t u32(SlotState s) { return static_cast<uint32_t>(s); }
 
+// now + timeout_ns, saturated: INT64_MAX ("wait forever") must not overflow.
+int64_t deadline_after(int64_t timeout_ns) {
+  const int64_t now = sync::monotonic_ns();
+  return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+}
+
 }  // namespace
 
 size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers) {
@@ -186,7 +192,7 @@ WaitResult Ring::wait_main(Pred ready, int64_t timeout_ns) {
     if (ready()) return WaitResult::Ready;
     sync::cpu_relax();
   }
-  const int64_t deadline = sync::monotonic_ns() + timeout_ns;
+  const int64_t deadline = deadline_after(timeout_ns);
   for (;;) {
     const uint32_t seen = load_acquire(hdr_->completions);
     if (ready()) return WaitResult::Ready;
@@ -270,6 +276,11 @@ void Ring::shutdown() {
     q.doorbell.fetch_add(1, std::memory_order_release);
     sync::futex_wake_all(&q.doorbell);
   }
+  // Bump the word before waking, as commit() does: a waiter in wait_main()
+  // on another thread that checked `shutdown` just before the store above
+  // then fails its futex_wait(completions, seen) instead of sleeping through
+  // this wake-up until its timeout.
+  hdr_->completions.fetch_add(1, std::memory_order_release);
   sync::futex_wake_all(&hdr_->completions);
 }
 
@@ -318,7 +329,7 @@ WaitResult Ring::next_task(uint32_t w, int64_t timeout_ns, TaskRef* out) {
     if (load_acquire(q.tail) != head) return pop();
     sync::cpu_relax();
   }
-  const int64_t deadline = sync::monotonic_ns() + timeout_ns;
+  const int64_t deadline = deadline_after(timeout_ns);
   for (;;) {
     if (load_acquire(hdr_->shutdown) != 0) return WaitResult::Shutdown;
     store_release(q.sleeping, 1u);

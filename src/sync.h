@@ -53,9 +53,10 @@ inline T load_relaxed(const std::atomic<T>& a) {
 //
 // GCC >= 11 rejects std::atomic_thread_fence under -fsanitize=thread
 // (-Wtsan, an error with -Werror) because TSan does not model fences. The
-// fence is still needed and still emitted (mfence / dmb ish); TSan simply
-// does not derive happens-before from it, which is harmless here: the fences
-// only order the sleep/wake handshake between atomics, never plain data.
+// fence is still needed and still executed (TSan's __tsan_atomic_thread_fence
+// runs a full hardware barrier); TSan only derives no happens-before from it,
+// which is harmless here: these fences order the sleep/wake handshake between
+// atomics, never the hand-over of plain data (that is release/acquire).
 #if defined(__SANITIZE_THREAD__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wtsan"

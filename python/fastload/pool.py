@@ -125,9 +125,13 @@ class WorkerPool:
         self.orphans: List[Tuple[int, int, int]] = []
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks)
         handle = RingHandle(self.ring)
-        spawnlike = ctx.get_start_method() in ("spawn", "forkserver")
+        # Only spawn execs a new interpreter from this environment; a
+        # forkserver started inside the window would keep the hidden
+        # environment for every later user of it, so there (and under fork)
+        # the worker's own first lines do the hiding.
+        spawn = ctx.get_start_method() == "spawn"
         try:
-            with _accelerators_hidden(hide_accelerators and spawnlike):
+            with _accelerators_hidden(hide_accelerators and spawn):
                 for i in range(num_workers):
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                     self._socks.append(mine)
