@@ -1,0 +1,1315 @@
+// fastload/tests/cpp/ring_stress.cpp — multi-process (and multi-thread)
+// stress test of the shared-memory Ring, with no Python involved.
+//
+// main plays the loader: item n goes to worker n % N through pop_free_slot +
+// assign, at most num_slots are in flight, results are awaited in order
+// (wait_ready, first half of the items) then out of order (wait_any, second
+// half), each payload is checked against a pattern derived from (seq, seed)
+// and each item must be seen exactly once. Workers loop on next_task, sleep
+// at random, write the payload and commit(). At the end main calls
+// shutdown() and every worker must return from next_task with Shutdown.
+//
+// Modes:
+//   process  workers are fork()ed and map the ring again with
+//            Ring::attach(dup(fd)), as the real workers do;
+//   thread   workers are threads sharing main's Ring object (one mapping),
+//            the only mode in which ThreadSanitizer sees both sides of every
+//            atomic and so can check the release/acquire hand-overs
+//            (--thread-attach maps the ring once per thread instead: more
+//            realistic, but TSan cannot relate two mappings of one page).
+// Also checked: idle workers sleep in the kernel (CPU time over an idle
+// window), timeouts of next_task/wait_ready/wait_any are neither early nor
+// late, "infinite" (INT64_MAX) timeouts, shutdown wake-ups, no lost wake-ups
+// (workers with a long timeout must pick a task up and main must wake up
+// within --stall-ms).
+//
+// Last line: "<passed> passed, <failed> failed" (counts of checks, workers'
+// included); exit status 0 only when nothing failed.
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "ring.h"
+
+namespace {
+
+using fastload::Mapping;
+using fastload::Ring;
+using fastload::SlotResult;
+using fastload::SlotState;
+using fastload::TaskRef;
+using fastload::WaitResult;
+using fastload::sync::monotonic_ns;
+
+constexpr int64_t kMs = 1000000;
+constexpr uint64_t kTaskMagic = 0x4b534154534c4646ULL;    // "FFLSTASK"
+constexpr uint64_t kResultMagic = 0x544c5352534c4646ULL;  // "FFLSRSLT"
+
+// ---- options ----------------------------------------------------------------
+
+struct Options {
+  uint64_t items = 20000;
+  uint32_t workers = 4;
+  uint32_t slots = 16;
+  uint64_t slot_bytes = 64 * 1024;
+  uint64_t seed = 1;
+  std::string mode = "both";  // process | thread | both
+  bool thread_attach = false;
+  uint32_t delay_pct = 10;      // % of tasks (and of main's waits) preceded by a random sleep
+  uint32_t max_delay_us = 300;  // upper bound of those sleeps
+  int64_t idle_ms = 500;        // idle window of the busy-loop check (0: skip it)
+  double idle_cpu_pct = 5.0;    // max CPU an idle worker may burn in that window
+  int64_t long_timeout_ms = 3000;  // main's waits and even workers' next_task
+  int64_t short_timeout_ms = 150;  // odd workers' next_task: exercises TimedOut
+  int64_t stall_ms = 1000;         // a pick-up or wake-up slower than this is a lost wake-up
+  int64_t timing_slack_ms = 50;    // how late a timeout may return in the timing test
+  bool timing = true;
+  uint32_t shutdown_trials = 2000;  // shutdown() racing a wait_ready and a next_task
+  bool verbose = false;
+};
+
+[[noreturn]] void usage(const char* argv0, const char* msg) {
+  if (msg != nullptr) std::fprintf(stderr, "ring_stress: %s\n", msg);
+  std::fprintf(stderr,
+               "usage: %s [--items N] [--workers N] [--slots N] [--slot-bytes N] [--seed N]\n"
+               "          [--mode process|thread|both] [--thread-attach]\n"
+               "          [--delay-pct P] [--max-delay-us US] [--idle-ms MS] [--idle-cpu-pct P]\n"
+               "          [--long-timeout-ms MS] [--short-timeout-ms MS] [--stall-ms MS]\n"
+               "          [--timing-slack-ms MS] [--no-timing] [--shutdown-trials N]\n"
+               "          [--verbose]\n",
+               argv0);
+  std::exit(2);
+}
+
+uint64_t parse_u64(const char* argv0, const std::string& name, const char* v) {
+  if (v == nullptr) usage(argv0, ("missing value for " + name).c_str());
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long x = std::strtoull(v, &end, 0);
+  if (errno != 0 || end == v || *end != '\0' || v[0] == '-')
+    usage(argv0, ("bad value for " + name + ": " + v).c_str());
+  return x;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    const char* inline_v = nullptr;
+    std::string::size_type eq = a.find('=');
+    std::string inline_s;
+    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_s = a.substr(eq + 1);
+      inline_v = inline_s.c_str();
+      a = a.substr(0, eq);
+    }
+    auto value = [&]() -> const char* {
+      if (inline_v != nullptr) return inline_v;
+      return i + 1 < argc ? argv[++i] : nullptr;
+    };
+    auto u64 = [&]() { return parse_u64(argv[0], a, value()); };
+    if (a == "--items") o.items = u64();
+    else if (a == "--workers") o.workers = static_cast<uint32_t>(u64());
+    else if (a == "--slots") o.slots = static_cast<uint32_t>(u64());
+    else if (a == "--slot-bytes") o.slot_bytes = u64();
+    else if (a == "--seed") o.seed = u64();
+    else if (a == "--mode") {
+      const char* v = value();
+      if (v == nullptr) usage(argv[0], "missing value for --mode");
+      o.mode = v;
+      if (o.mode != "process" && o.mode != "thread" && o.mode != "both")
+        usage(argv[0], "--mode must be process, thread or both");
+    } else if (a == "--thread-attach") o.thread_attach = true;
+    else if (a == "--delay-pct") o.delay_pct = static_cast<uint32_t>(std::min<uint64_t>(u64(), 100));
+    else if (a == "--max-delay-us") o.max_delay_us = static_cast<uint32_t>(u64());
+    else if (a == "--idle-ms") o.idle_ms = static_cast<int64_t>(u64());
+    else if (a == "--idle-cpu-pct") o.idle_cpu_pct = static_cast<double>(u64());
+    else if (a == "--long-timeout-ms") o.long_timeout_ms = static_cast<int64_t>(u64());
+    else if (a == "--short-timeout-ms") o.short_timeout_ms = static_cast<int64_t>(u64());
+    else if (a == "--stall-ms") o.stall_ms = static_cast<int64_t>(u64());
+    else if (a == "--timing-slack-ms") o.timing_slack_ms = static_cast<int64_t>(u64());
+    else if (a == "--no-timing") o.timing = false;
+    else if (a == "--shutdown-trials") o.shutdown_trials = static_cast<uint32_t>(u64());
+    else if (a == "--verbose" || a == "-v") o.verbose = true;
+    else if (a == "--help" || a == "-h") usage(argv[0], nullptr);
+    else usage(argv[0], ("unknown argument " + a).c_str());
+  }
+  if (o.workers == 0 || o.workers > fastload::kMaxWorkers) usage(argv[0], "bad --workers");
+  if (o.slots == 0 || o.slots > fastload::kMaxSlots) usage(argv[0], "bad --slots");
+  if (o.slot_bytes == 0) usage(argv[0], "bad --slot-bytes");
+  if (o.long_timeout_ms <= o.stall_ms)
+    usage(argv[0], "--long-timeout-ms must exceed --stall-ms (or lost wake-ups go unnoticed)");
+  return o;
+}
+
+// ---- check counting -----------------------------------------------------------
+
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Counts checks. check() records and goes on (workers: main must still get
+// every item); require() throws (main: the run is over).
+class Checker {
+ public:
+  explicit Checker(std::string who) : who_(std::move(who)) {}
+  uint64_t passed() const { return passed_; }
+  uint64_t failed() const { return failed_; }
+  void set_who(std::string who) { who_ = std::move(who); }
+
+  __attribute__((format(printf, 3, 4))) bool check(bool ok, const char* fmt, ...) {
+    if (ok) {
+      ++passed_;
+      return true;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    report(fmt, ap);
+    va_end(ap);
+    return false;
+  }
+
+  __attribute__((format(printf, 3, 4))) void require(bool ok, const char* fmt, ...) {
+    if (ok) {
+      ++passed_;
+      return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    std::string msg = report(fmt, ap, /*always=*/true);
+    va_end(ap);
+    throw Failure(msg);
+  }
+
+ private:
+  // Prints the first 20 failures, and always the fatal one.
+  std::string report(const char* fmt, va_list ap, bool always = false) {
+    ++failed_;
+    char buf[1024];
+    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    if (failed_ <= 20 || always) std::fprintf(stderr, "FAIL [%s] %s\n", who_.c_str(), buf);
+    return buf;
+  }
+
+  std::string who_;
+  uint64_t passed_ = 0;
+  uint64_t failed_ = 0;
+};
+
+// ---- the data that goes through the ring ------------------------------------
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// What main writes at the payload start (the task bytes).
+struct Task {
+  uint64_t magic;
+  uint64_t seq;
+  uint64_t seed;
+  uint64_t size;  // payload bytes the worker must write
+  uint32_t worker;
+  uint32_t kind;
+  uint64_t check;
+};
+
+uint64_t task_check(const Task& t) {
+  return mix64(t.magic ^ mix64(t.seq ^ mix64(t.seed ^ mix64(t.size ^ (uint64_t{t.worker} << 32 | t.kind)))));
+}
+
+// What the worker writes after the data, at meta_offset.
+struct ResultMeta {
+  uint64_t magic;
+  uint64_t seq;
+  uint64_t seed;
+  uint64_t size;
+  uint32_t worker;
+  uint32_t pad;
+  int64_t commit_ns;  // monotonic time just before commit(): main's wake-up latency
+  uint64_t check;
+};
+
+uint64_t meta_check(const ResultMeta& m) {
+  return mix64(m.magic ^ mix64(m.seq ^ mix64(m.seed ^ mix64(m.size ^ m.worker))));
+}
+
+uint32_t result_kind(uint64_t seq, uint32_t worker) {
+  return static_cast<uint32_t>(mix64(seq * 31 + worker)) | 1u;
+}
+
+uint64_t meta_offset_for(uint64_t size) { return (size + 63) / 64 * 64; }
+uint64_t pattern_seed(uint64_t seq, uint64_t seed) { return mix64(seq ^ mix64(seed)); }
+
+void fill_pattern(char* p, uint64_t size, uint64_t pseed) {
+  const uint64_t words = size / 8;
+  for (uint64_t i = 0; i < words; ++i) {
+    const uint64_t v = mix64(pseed + i);
+    std::memcpy(p + 8 * i, &v, 8);
+  }
+  if (size % 8 != 0) {
+    const uint64_t v = mix64(pseed + words);
+    std::memcpy(p + 8 * words, &v, size % 8);
+  }
+}
+
+// Returns the first bad byte offset, or size when the whole pattern matches.
+uint64_t find_pattern_mismatch(const char* p, uint64_t size, uint64_t pseed) {
+  const uint64_t words = size / 8;
+  for (uint64_t i = 0; i < words; ++i) {
+    const uint64_t v = mix64(pseed + i);
+    if (std::memcmp(p + 8 * i, &v, 8) != 0) return 8 * i;
+  }
+  if (size % 8 != 0) {
+    const uint64_t v = mix64(pseed + words);
+    if (std::memcmp(p + 8 * words, &v, size % 8) != 0) return 8 * words;
+  }
+  return size;
+}
+
+const char* wait_name(WaitResult r) {
+  switch (r) {
+    case WaitResult::Ready: return "Ready";
+    case WaitResult::TimedOut: return "TimedOut";
+    case WaitResult::Shutdown: return "Shutdown";
+  }
+  return "?";
+}
+
+const char* state_name(SlotState s) {
+  switch (s) {
+    case SlotState::Free: return "FREE";
+    case SlotState::Assigned: return "ASSIGNED";
+    case SlotState::Writing: return "WRITING";
+    case SlotState::Ready: return "READY";
+    case SlotState::Leased: return "LEASED";
+  }
+  return "?";
+}
+
+double ms(int64_t ns) { return static_cast<double>(ns) / 1e6; }
+
+void sleep_us(uint64_t us) { std::this_thread::sleep_for(std::chrono::microseconds(us)); }
+
+uint32_t current_tid() { return static_cast<uint32_t>(::syscall(SYS_gettid)); }
+
+// ---- memory shared between main and its workers (outside the ring) -----------
+
+// One per worker. Written only by that worker; main reads it after
+// join()/waitpid(), never while the worker runs.
+struct alignas(64) WorkerStats {
+  uint64_t tasks;
+  uint64_t timeouts;
+  uint64_t passed;
+  uint64_t failed;
+  int64_t max_pickup_ns;       // assign() -> next_task() returned it
+  int64_t max_timeout_late_ns; // how late a TimedOut came back
+  int64_t shutdown_seen_ns;    // when next_task returned Shutdown
+  int32_t exit_code;
+  uint32_t saw_shutdown;
+};
+
+// An anonymous MAP_SHARED mapping (it survives fork() shared, unlike the
+// heap): per-worker stats, then main's assign() timestamp of every item.
+class TestArea {
+ public:
+  TestArea(uint32_t workers, uint64_t items)
+      : workers_(workers), bytes_(sizeof(WorkerStats) * workers + sizeof(int64_t) * (items + 1)) {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error(std::string("mmap: ") + std::strerror(errno));
+    map_ = Mapping(p, bytes_);
+  }
+  WorkerStats& stats(uint32_t w) { return static_cast<WorkerStats*>(map_.data())[w]; }
+  // Written by main before assign(seq) (so the ring's release/acquire
+  // publishes it), read by the worker that gets seq.
+  int64_t* assign_ns() {
+    return reinterpret_cast<int64_t*>(static_cast<char*>(map_.data()) +
+                                      sizeof(WorkerStats) * workers_);
+  }
+
+ private:
+  uint32_t workers_;
+  size_t bytes_;
+  Mapping map_;
+};
+
+// ---- the worker -------------------------------------------------------------------
+
+int64_t worker_timeout_ms(const Options& o, uint32_t w) {
+  // Even workers: long timeout, so that only a futex wake can make them pick
+  // up a task in time (a lost wake-up shows as a pick-up >= stall_ms).
+  // Odd workers: short timeout, so TimedOut happens often and is checked.
+  return w % 2 == 0 ? o.long_timeout_ms : o.short_timeout_ms;
+}
+
+int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
+  Checker ck("worker " + std::to_string(w) + " tid " + std::to_string(current_tid()));
+  WorkerStats& st = area.stats(w);
+  ring.worker_started(w, current_tid());
+  std::mt19937_64 rng(mix64(o.seed * 1000003 + w));
+  const int64_t timeout_ns = worker_timeout_ms(o, w) * kMs;
+  const bool lost_wakeup_detectable = timeout_ns > o.stall_ms * kMs;
+  uint64_t last_seq = fastload::kNoSeq;
+  int64_t* assign_ns = area.assign_ns();
+
+  for (;;) {
+    if (o.delay_pct > 0 && rng() % 100 < o.delay_pct / 2) sleep_us(rng() % (o.max_delay_us + 1));
+    TaskRef t{};
+    const int64_t t0 = monotonic_ns();
+    const WaitResult r = ring.next_task(w, timeout_ns, &t);
+    const int64_t t1 = monotonic_ns();
+    if (r == WaitResult::Shutdown) {
+      st.saw_shutdown = 1;
+      st.shutdown_seen_ns = t1;
+      ck.check(ring.is_shutdown(), "next_task returned Shutdown but is_shutdown() is false");
+      break;
+    }
+    if (r == WaitResult::TimedOut) {
+      ++st.timeouts;
+      // No signal is ever sent to a worker here, so TimedOut may not be early.
+      ck.check(t1 - t0 >= timeout_ns, "next_task(timeout %.1f ms) returned TimedOut after %.3f ms",
+               ms(timeout_ns), ms(t1 - t0));
+      st.max_timeout_late_ns = std::max(st.max_timeout_late_ns, t1 - t0 - timeout_ns);
+      ck.check(t1 - t0 - timeout_ns < o.stall_ms * kMs,
+               "next_task(timeout %.1f ms) returned TimedOut %.3f ms late", ms(timeout_ns),
+               ms(t1 - t0 - timeout_ns));
+      continue;
+    }
+    if (!ck.check(r == WaitResult::Ready, "next_task returned %d", static_cast<int>(r))) break;
+    ++st.tasks;
+    if (!ck.check(t.slot < ring.num_slots(), "next_task gave slot %u of %u", t.slot,
+                  ring.num_slots()))
+      break;  // nothing sane to commit
+    char* p = ring.payload(t.slot);
+    Task task{};
+    if (ck.check(t.task_len == sizeof(Task), "task_len %" PRIu64 " != %zu", t.task_len,
+                 sizeof(Task)))
+      std::memcpy(&task, p, sizeof task);
+    ck.check(task.magic == kTaskMagic && task.check == task_check(task),
+             "seq %" PRIu64 ": task bytes in slot %u are corrupt (torn or stale task)", t.seq,
+             t.slot);
+    ck.check(task.seq == t.seq, "TaskRef.seq %" PRIu64 " but task bytes say %" PRIu64, t.seq,
+             task.seq);
+    ck.check(task.worker == w && t.seq % o.workers == w,
+             "seq %" PRIu64 " (for worker %u) reached worker %u", t.seq, task.worker, w);
+    ck.check(t.seq < o.items, "seq %" PRIu64 " out of range", t.seq);
+    // Main assigns increasing seqs and each queue is FIFO.
+    ck.check(last_seq == fastload::kNoSeq || t.seq > last_seq,
+             "seq %" PRIu64 " after %" PRIu64 ": queue not FIFO", t.seq, last_seq);
+    last_seq = t.seq;
+    ck.check(ring.state(t.slot) == SlotState::Writing, "slot %u is %s after next_task, not WRITING",
+             t.slot, state_name(ring.state(t.slot)));
+    ck.check(ring.worker_current_seq(w) == t.seq, "worker_current_seq %" PRIu64 " != %" PRIu64,
+             ring.worker_current_seq(w), t.seq);
+    if (t.seq < o.items) {
+      const int64_t pickup = t1 - assign_ns[t.seq];
+      st.max_pickup_ns = std::max(st.max_pickup_ns, pickup);
+      if (lost_wakeup_detectable)
+        ck.check(pickup < o.stall_ms * kMs,
+                 "seq %" PRIu64 " picked up %.1f ms after assign() (lost wake-up?)", t.seq,
+                 ms(pickup));
+    }
+
+    if (o.delay_pct > 0 && rng() % 100 < o.delay_pct) sleep_us(rng() % (o.max_delay_us + 1));
+    uint64_t size = task.size;
+    if (!ck.check(meta_offset_for(size) + sizeof(ResultMeta) <= ring.slot_bytes(),
+                  "task size %" PRIu64 " does not fit", size))
+      size = 0;
+    fill_pattern(p, size, pattern_seed(task.seq, task.seed));
+    ResultMeta m{};
+    m.magic = kResultMagic;
+    m.seq = task.seq;
+    m.seed = task.seed;
+    m.size = size;
+    m.worker = w;
+    m.check = meta_check(m);
+    m.commit_ns = monotonic_ns();
+    std::memcpy(p + meta_offset_for(size), &m, sizeof m);
+    ring.commit(t.slot, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size),
+                                   sizeof(ResultMeta)});
+  }
+  st.passed = ck.passed();
+  st.failed = ck.failed();
+  const int rc = (ck.failed() == 0 && st.saw_shutdown != 0) ? 0 : 1;
+  st.exit_code = rc;
+  return rc;
+}
+
+// ---- RAII for the workers -----------------------------------------------------
+
+volatile sig_atomic_t g_sigchld = 0;
+void on_sigchld(int) { g_sigchld = 1; }
+
+// A SIGCHLD handler without SA_RESTART while process workers run: a dying
+// worker interrupts main's futex wait (the Interrupted path of wait_main).
+class SigchldScope {
+ public:
+  SigchldScope() {
+    struct sigaction sa {};
+    sa.sa_handler = on_sigchld;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;
+    ::sigaction(SIGCHLD, &sa, &old_);
+  }
+  ~SigchldScope() { ::sigaction(SIGCHLD, &old_, nullptr); }
+  SigchldScope(const SigchldScope&) = delete;
+  SigchldScope& operator=(const SigchldScope&) = delete;
+
+ private:
+  struct sigaction old_ {};
+};
+
+std::string describe_status(int status) {
+  char buf[64];
+  if (WIFEXITED(status))
+    std::snprintf(buf, sizeof buf, "exit status %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status))
+    std::snprintf(buf, sizeof buf, "killed by signal %d (%s)", WTERMSIG(status),
+                  strsignal(WTERMSIG(status)));
+  else
+    std::snprintf(buf, sizeof buf, "status 0x%x", status);
+  return buf;
+}
+
+// Forked workers: killed and reaped on any early exit from the test.
+class ChildGroup {
+ public:
+  ChildGroup() = default;
+  ChildGroup(const ChildGroup&) = delete;
+  ChildGroup& operator=(const ChildGroup&) = delete;
+  ~ChildGroup() {
+    for (Child& c : kids_) {
+      if (c.reaped) continue;
+      ::kill(c.pid, SIGKILL);
+      int status = 0;
+      while (::waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+  void add(uint32_t worker, pid_t pid) { kids_.push_back(Child{worker, pid, false, 0}); }
+  size_t size() const { return kids_.size(); }
+  pid_t pid(uint32_t worker) const { return kids_.at(worker).pid; }
+
+  // Before shutdown no worker may have exited.
+  void require_alive(Checker& ck) {
+    for (Child& c : kids_) {
+      if (c.reaped) continue;
+      int status = 0;
+      pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+      if (r == c.pid) {
+        c.reaped = true;
+        c.status = status;
+        ck.require(false, "worker %u (pid %d) exited before shutdown: %s", c.worker,
+                   static_cast<int>(c.pid), describe_status(status).c_str());
+      }
+    }
+  }
+
+  // Reaps every worker; each must exit 0 within timeout_ns.
+  void reap_all(int64_t timeout_ns, Checker& ck) {
+    const int64_t deadline = monotonic_ns() + timeout_ns;
+    for (;;) {
+      size_t left = 0;
+      for (Child& c : kids_) {
+        if (c.reaped) continue;
+        int status = 0;
+        pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+        if (r == c.pid) {
+          c.reaped = true;
+          c.status = status;
+          ck.check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "worker %u (pid %d): %s",
+                   c.worker, static_cast<int>(c.pid), describe_status(status).c_str());
+        } else {
+          ++left;
+        }
+      }
+      if (left == 0) return;
+      ck.require(monotonic_ns() < deadline, "%zu worker(s) still running %.0f ms after shutdown",
+                 left, ms(timeout_ns));
+      sleep_us(1000);
+    }
+  }
+
+ private:
+  struct Child {
+    uint32_t worker;
+    pid_t pid;
+    bool reaped;
+    int status;
+  };
+  std::vector<Child> kids_;
+};
+
+// Worker threads: on an early exit the ring is shut down so they return,
+// then joined.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(Ring& ring) : ring_(ring) {}
+  ThreadGroup(const ThreadGroup&) = delete;
+  ThreadGroup& operator=(const ThreadGroup&) = delete;
+  ~ThreadGroup() {
+    if (threads_.empty()) return;
+    ring_.shutdown();
+    join_all();
+  }
+  template <class F>
+  void spawn(F&& f) {
+    threads_.emplace_back(std::forward<F>(f));
+  }
+  void join_all() {
+    for (std::thread& t : threads_)
+      if (t.joinable()) t.join();
+    threads_.clear();
+  }
+
+ private:
+  Ring& ring_;
+  std::vector<std::thread> threads_;
+};
+
+// CPU time (ns) a thread has used, from /proc; -1 when unreadable.
+int64_t thread_cpu_ns(pid_t pid, uint32_t tid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task/" + std::to_string(tid) + "/";
+  {
+    std::ifstream f(dir + "schedstat");  // "<ns on cpu> <ns waiting> <slices>"
+    long long v = 0;
+    if (f >> v) return v;
+  }
+  std::ifstream f(dir + "stat");
+  std::string line;
+  if (!std::getline(f, line)) return -1;
+  const std::string::size_type rp = line.rfind(')');
+  if (rp == std::string::npos) return -1;
+  std::istringstream rest(line.substr(rp + 2));
+  std::vector<std::string> fields;
+  for (std::string s; rest >> s;) fields.push_back(s);
+  if (fields.size() < 13) return -1;  // fields[11] = utime, fields[12] = stime (ticks)
+  const long long ticks = std::stoll(fields[11]) + std::stoll(fields[12]);
+  return ticks * (1000000000LL / ::sysconf(_SC_CLK_TCK));
+}
+
+// ---- main, the loader --------------------------------------------------------
+
+struct InFlight {
+  uint64_t seq;
+  uint32_t slot;
+  Task task;
+};
+
+struct RunStats {
+  uint64_t out_of_order = 0;
+  uint64_t leased = 0;
+  uint64_t interrupted_waits = 0;
+  int64_t max_wake_ns = 0;
+};
+
+class Loader {
+ public:
+  Loader(Ring& ring, const Options& o, TestArea& area, Checker& ck, ChildGroup* kids)
+      : ring_(ring),
+        o_(o),
+        area_(area),
+        ck_(ck),
+        kids_(kids),
+        rng_(mix64(o.seed)),
+        seen_(o.items, 0),
+        max_size_(ring.slot_bytes() - 128) {}
+
+  const RunStats& stats() const { return stats_; }
+
+  // Items [next, end), results taken in order with wait_ready.
+  void run_in_order(uint64_t end) {
+    std::deque<InFlight> q;
+    while (next_seq_ < end || !q.empty()) {
+      fill(end, [&](const InFlight& f) { q.push_back(f); }, q.size());
+      ck_.require(!q.empty(), "nothing in flight and no free slot (%zu free)",
+                  ring_.free_slot_count());
+      const InFlight f = q.front();
+      q.pop_front();
+      maybe_delay();
+      const int64_t t0 = monotonic_ns();
+      const WaitResult r = wait_with_watchdog(
+          [&](int64_t left) { return ring_.wait_ready(f.slot, f.seq, left); }, f.seq);
+      const int64_t t1 = monotonic_ns();
+      ck_.require(r == WaitResult::Ready, "wait_ready(slot %u, seq %" PRIu64 ") returned %s", f.slot,
+                  f.seq, wait_name(r));
+      verify(f, t0, t1);
+      finish(f, /*may_hold=*/false);
+    }
+  }
+
+  // Items [next, end), results taken as they come with wait_any; some are
+  // leased and held for a while (their slots must stay untouched).
+  void run_any_order(uint64_t end) {
+    std::vector<InFlight> live;
+    std::vector<uint32_t> slots;
+    std::vector<uint64_t> seqs;
+    while (next_seq_ < end || !live.empty() || !held_.empty()) {
+      fill(end, [&](const InFlight& f) { live.push_back(f); }, live.size());
+      if (live.empty()) {  // every slot is held: give some back
+        ck_.require(!held_.empty(), "nothing in flight, nothing held, no free slot");
+        release_held(held_.size());
+        continue;
+      }
+      if (rng_() % 4 == 0) std::shuffle(live.begin(), live.end(), rng_);
+      slots.clear();
+      seqs.clear();
+      uint64_t min_seq = fastload::kNoSeq;
+      for (const InFlight& f : live) {
+        slots.push_back(f.slot);
+        seqs.push_back(f.seq);
+        min_seq = std::min(min_seq, f.seq);
+      }
+      maybe_delay();
+      size_t which = ~size_t{0};
+      const int64_t t0 = monotonic_ns();
+      const WaitResult r = wait_with_watchdog(
+          [&](int64_t left) {
+            return ring_.wait_any(slots.data(), seqs.data(), slots.size(), left, &which);
+          },
+          min_seq);
+      const int64_t t1 = monotonic_ns();
+      ck_.require(r == WaitResult::Ready, "wait_any over %zu slots returned %s", slots.size(),
+                  wait_name(r));
+      ck_.require(which < live.size(), "wait_any returned index %zu of %zu", which, live.size());
+      const InFlight f = live[which];
+      if (f.seq != min_seq) ++stats_.out_of_order;
+      verify(f, t0, t1);
+      live[which] = live.back();
+      live.pop_back();
+      finish(f, /*may_hold=*/true);
+      if (!held_.empty() && (held_.size() > o_.slots / 2 || rng_() % 8 == 0))
+        release_held(1 + rng_() % held_.size());
+    }
+  }
+
+  // Every item seen exactly once.
+  void require_all_seen() {
+    uint64_t n = 0;
+    for (uint8_t s : seen_) n += s;
+    ck_.require(n == o_.items, "%" PRIu64 " of %" PRIu64 " items seen", n, o_.items);
+    ck_.require(ring_.free_slot_count() == o_.slots, "%zu of %u slots free at the end",
+                ring_.free_slot_count(), o_.slots);
+    for (uint32_t s = 0; s < o_.slots; ++s)
+      ck_.require(ring_.state(s) == SlotState::Free, "slot %u is %s at the end", s,
+                  state_name(ring_.state(s)));
+  }
+
+ private:
+  template <class Push>
+  void fill(uint64_t end, Push push, size_t live_before) {
+    size_t live = live_before;
+    while (next_seq_ < end) {
+      uint32_t s = 0;
+      if (!ring_.pop_free_slot(&s)) break;
+      ck_.require(s < o_.slots, "pop_free_slot gave slot %u", s);
+      InFlight f{next_seq_++, s, make_task(next_seq_ - 1)};
+      area_.assign_ns()[f.seq] = monotonic_ns();
+      ring_.assign(s, f.seq, f.task.worker, &f.task, sizeof f.task);
+      const SlotState st = ring_.state(s);
+      ck_.require(st == SlotState::Assigned || st == SlotState::Writing || st == SlotState::Ready,
+                  "slot %u is %s right after assign()", s, state_name(st));
+      push(f);
+      ++live;
+    }
+    // At most num_slots in flight: every slot is free, in flight or held.
+    ck_.require(live + held_.size() + ring_.free_slot_count() == o_.slots,
+                "%zu in flight + %zu held + %zu free != %u slots", live, held_.size(),
+                ring_.free_slot_count(), o_.slots);
+  }
+
+  Task make_task(uint64_t seq) {
+    Task t{};
+    t.magic = kTaskMagic;
+    t.seq = seq;
+    t.seed = rng_();
+    switch (rng_() % 16) {
+      case 0: t.size = 0; break;
+      case 1: t.size = max_size_; break;
+      case 2:
+      case 3: t.size = rng_() % (max_size_ + 1); break;
+      default: t.size = rng_() % (std::min<uint64_t>(4096, max_size_) + 1); break;
+    }
+    t.worker = static_cast<uint32_t>(seq % o_.workers);
+    t.kind = 0;
+    t.check = task_check(t);
+    return t;
+  }
+
+  void maybe_delay() {
+    if (o_.delay_pct > 0 && rng_() % 100 < o_.delay_pct / 2) sleep_us(rng_() % (o_.max_delay_us + 1));
+  }
+
+  // Waits like the Python loader: a signal (SIGCHLD of a dead worker) cuts
+  // the wait short, main looks at its workers and waits again.
+  template <class Wait>
+  WaitResult wait_with_watchdog(Wait wait, uint64_t seq) {
+    const int64_t deadline = monotonic_ns() + o_.long_timeout_ms * kMs;
+    for (;;) {
+      const WaitResult r = wait(std::max<int64_t>(deadline - monotonic_ns(), 0));
+      if (r != WaitResult::TimedOut) return r;
+      if (kids_ != nullptr) kids_->require_alive(ck_);
+      if (monotonic_ns() >= deadline) {
+        const uint32_t w = static_cast<uint32_t>(seq % o_.workers);
+        std::fprintf(stderr,
+                     "  no result for seq %" PRIu64 " within %" PRId64
+                     " ms; worker %u: progress %" PRIu64 ", current seq %" PRIu64 "\n",
+                     seq, o_.long_timeout_ms, w, ring_.worker_progress(w),
+                     ring_.worker_current_seq(w));
+        return r;
+      }
+      ++stats_.interrupted_waits;
+    }
+  }
+
+  void verify(const InFlight& f, int64_t wait_start, int64_t woke) {
+    const uint32_t s = f.slot;
+    const uint64_t seq = f.seq;
+    ck_.require(ring_.is_ready(s, seq), "seq %" PRIu64 ": is_ready false after Ready", seq);
+    ck_.require(!ring_.is_ready(s, seq + 1) && !ring_.is_ready(s, seq ^ (1ULL << 63)),
+                "seq %" PRIu64 ": is_ready true for another seq stamp", seq);
+    ck_.require(ring_.state(s) == SlotState::Ready, "seq %" PRIu64 ": slot %u is %s, not READY",
+                seq, s, state_name(ring_.state(s)));
+    const SlotResult res = ring_.result(s);
+    const uint64_t size = f.task.size;
+    ck_.require(res.kind == result_kind(seq, f.task.worker) && res.data_len == size &&
+                    res.meta_offset == meta_offset_for(size) && res.meta_len == sizeof(ResultMeta),
+                "seq %" PRIu64 ": result() {kind %u, data_len %" PRIu64 ", meta %" PRIu64 "+%" PRIu64
+                "} != expected {%u, %" PRIu64 ", %" PRIu64 "+%zu}",
+                seq, res.kind, res.data_len, res.meta_offset, res.meta_len,
+                result_kind(seq, f.task.worker), size, meta_offset_for(size), sizeof(ResultMeta));
+    const char* p = ring_.payload(s);
+    ResultMeta m{};
+    std::memcpy(&m, p + meta_offset_for(size), sizeof m);
+    ck_.require(m.magic == kResultMagic && m.check == meta_check(m) && m.seq == seq &&
+                    m.seed == f.task.seed && m.size == size && m.worker == f.task.worker,
+                "seq %" PRIu64 ": result meta is wrong (seq %" PRIu64 ", worker %u): stale or torn",
+                seq, m.seq, m.worker);
+    const uint64_t bad = find_pattern_mismatch(p, size, pattern_seed(seq, f.task.seed));
+    ck_.require(bad == size, "seq %" PRIu64 ": payload byte %" PRIu64 " of %" PRIu64 " is wrong",
+                seq, bad, size);
+    // Lost wake-up check on main's side: once the result was committed main
+    // must be awake within stall_ms.
+    const int64_t wake = woke - std::max(wait_start, m.commit_ns);
+    stats_.max_wake_ns = std::max(stats_.max_wake_ns, wake);
+    ck_.require(wake < o_.stall_ms * kMs,
+                "seq %" PRIu64 ": main woke %.1f ms after the commit (lost wake-up?)", seq, ms(wake));
+    ck_.require(seq < o_.items && seen_[seq] == 0, "seq %" PRIu64 " seen twice", seq);
+    seen_[seq] = 1;
+  }
+
+  void finish(const InFlight& f, bool may_hold) {
+    if (may_hold && rng_() % 4 == 0) {
+      ring_.lease(f.slot);
+      ck_.require(ring_.state(f.slot) == SlotState::Leased, "slot %u not LEASED after lease()",
+                  f.slot);
+      ++stats_.leased;
+      held_.push_back(f);
+      return;
+    }
+    if (rng_() % 8 == 0) {
+      ring_.lease(f.slot);
+      ++stats_.leased;
+    }
+    ring_.release(f.slot);
+    ck_.require(ring_.state(f.slot) == SlotState::Free, "slot %u not FREE after release()", f.slot);
+  }
+
+  // A held (leased) slot must still hold its result: no worker and no
+  // assign() may have touched it.
+  void release_held(size_t n) {
+    for (size_t i = 0; i < n && !held_.empty(); ++i) {
+      const size_t k = rng_() % held_.size();
+      const InFlight f = held_[k];
+      held_[k] = held_.back();
+      held_.pop_back();
+      ck_.require(ring_.state(f.slot) == SlotState::Leased, "held slot %u is %s", f.slot,
+                  state_name(ring_.state(f.slot)));
+      const char* p = ring_.payload(f.slot);
+      const uint64_t size = f.task.size;
+      ResultMeta m{};
+      std::memcpy(&m, p + meta_offset_for(size), sizeof m);
+      ck_.require(m.seq == f.seq &&
+                      find_pattern_mismatch(p, size, pattern_seed(f.seq, f.task.seed)) == size,
+                  "seq %" PRIu64 ": leased slot %u changed while held", f.seq, f.slot);
+      ring_.release(f.slot);
+    }
+  }
+
+  Ring& ring_;
+  const Options& o_;
+  TestArea& area_;
+  Checker& ck_;
+  ChildGroup* kids_;
+  std::mt19937_64 rng_;
+  std::vector<uint8_t> seen_;
+  uint64_t max_size_;
+  uint64_t next_seq_ = 0;
+  std::vector<InFlight> held_;
+  RunStats stats_;
+};
+
+// Workers must burn (almost) no CPU while idle: they sleep in futex_wait.
+void check_idle_cpu(Ring& ring, const Options& o, Checker& ck, pid_t pid_of_threads,
+                    const ChildGroup* kids) {
+  if (o.idle_ms <= 0) return;
+  sleep_us(50 * 1000);  // let every worker finish its spin and go to sleep
+  std::vector<int64_t> before(o.workers, -1);
+  std::vector<pid_t> pids(o.workers);
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    pids[w] = kids != nullptr ? kids->pid(w) : pid_of_threads;
+    before[w] = thread_cpu_ns(pids[w], ring.worker_pid(w));
+  }
+  const int64_t t0 = monotonic_ns();
+  sleep_us(static_cast<uint64_t>(o.idle_ms) * 1000);
+  const int64_t window = monotonic_ns() - t0;
+  const int64_t limit = static_cast<int64_t>(static_cast<double>(window) * o.idle_cpu_pct / 100.0);
+  int64_t worst = 0;
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    const int64_t after = thread_cpu_ns(pids[w], ring.worker_pid(w));
+    if (!ck.check(before[w] >= 0 && after >= 0, "cannot read the CPU time of worker %u (tid %u)",
+                  w, ring.worker_pid(w)))
+      continue;
+    worst = std::max(worst, after - before[w]);
+    ck.check(after - before[w] <= limit,
+             "idle worker %u used %.1f ms of CPU in %.0f ms (limit %.1f ms): busy loop?", w,
+             ms(after - before[w]), ms(window), ms(limit));
+  }
+  std::printf("  idle: worst worker used %.2f ms CPU in %.0f ms idle (limit %.1f ms)\n", ms(worst),
+              ms(window), ms(limit));
+}
+
+// Sums the workers' checks and checks their stats after they are gone.
+void check_worker_stats(const Options& o, TestArea& area, Checker& ck, int64_t shutdown_ns,
+                        uint64_t* worker_passed, uint64_t* worker_failed) {
+  int64_t max_pickup = 0;
+  int64_t max_late = 0;
+  int64_t max_shutdown = 0;
+  uint64_t total = 0;
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    const WorkerStats& st = area.stats(w);
+    *worker_passed += st.passed;
+    *worker_failed += st.failed;
+    const uint64_t expected = o.items / o.workers + (w < o.items % o.workers ? 1 : 0);
+    ck.check(st.tasks == expected, "worker %u made %" PRIu64 " tasks, expected %" PRIu64, w,
+             st.tasks, expected);
+    total += st.tasks;
+    ck.check(st.saw_shutdown == 1, "worker %u did not see Shutdown", w);
+    if (st.saw_shutdown == 1) {
+      const int64_t lat = st.shutdown_seen_ns - shutdown_ns;
+      max_shutdown = std::max(max_shutdown, lat);
+      ck.check(lat < o.stall_ms * kMs,
+               "worker %u saw Shutdown %.1f ms after shutdown() (lost wake-up?)", w, ms(lat));
+    }
+    if (o.idle_ms >= 2 * o.short_timeout_ms && w % 2 == 1)
+      ck.check(st.timeouts > 0, "short-timeout worker %u never timed out while idle", w);
+    max_pickup = std::max(max_pickup, st.max_pickup_ns);
+    max_late = std::max(max_late, st.max_timeout_late_ns);
+  }
+  ck.check(total == o.items, "workers made %" PRIu64 " tasks for %" PRIu64 " items", total,
+           o.items);
+  std::printf("  workers: max pick-up %.2f ms, max TimedOut lateness %.2f ms, "
+              "max shutdown latency %.2f ms\n",
+              ms(max_pickup), ms(max_late), ms(max_shutdown));
+}
+
+struct ModeResult {
+  uint64_t worker_passed = 0;
+  uint64_t worker_failed = 0;
+};
+
+void run_loader_phases(Loader& loader, Ring& ring, const Options& o, Checker& ck,
+                       pid_t pid_of_threads, const ChildGroup* kids) {
+  const int64_t t0 = monotonic_ns();
+  loader.run_in_order(o.items / 2);
+  const int64_t t1 = monotonic_ns();
+  std::printf("  in order (wait_ready): %" PRIu64 " items in %.0f ms\n", o.items / 2, ms(t1 - t0));
+  check_idle_cpu(ring, o, ck, pid_of_threads, kids);
+  const int64_t t2 = monotonic_ns();
+  loader.run_any_order(o.items);
+  const int64_t t3 = monotonic_ns();
+  const RunStats& rs = loader.stats();
+  std::printf("  any order (wait_any): %" PRIu64 " items in %.0f ms, %" PRIu64
+              " out of order, %" PRIu64 " leased\n",
+              o.items - o.items / 2, ms(t3 - t2), rs.out_of_order, rs.leased);
+  std::printf("  main: max wake-up latency %.2f ms, %" PRIu64 " interrupted waits\n",
+              ms(rs.max_wake_ns), rs.interrupted_waits);
+  loader.require_all_seen();
+}
+
+ModeResult run_process_mode(const Options& o, Checker& ck) {
+  ModeResult res;
+  std::shared_ptr<Ring> ring = Ring::create(o.slots, o.workers, o.slot_bytes);
+  TestArea area(o.workers, o.items);
+  SigchldScope sigchld;
+  ChildGroup kids;
+  const pid_t parent = ::getpid();
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    ck.require(pid >= 0, "fork: %s", std::strerror(errno));
+    if (pid == 0) {
+      int rc = 2;
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(3);
+      try {
+        // The realistic path: map the ring again from its fd.
+        const int fd = ::dup(ring->fd());
+        if (fd < 0) throw std::runtime_error(std::string("dup: ") + std::strerror(errno));
+        std::shared_ptr<Ring> mine = Ring::attach(fd);
+        rc = worker_loop(*mine, w, o, area);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "FAIL [worker %u] exception: %s\n", w, e.what());
+        rc = 2;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    kids.add(w, pid);
+  }
+  Loader loader(*ring, o, area, ck, &kids);
+  // Workers announce themselves; their pid must be the forked one.
+  const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    while (ring->worker_pid(w) == 0 && monotonic_ns() < deadline) sleep_us(200);
+    ck.require(ring->worker_pid(w) == static_cast<uint32_t>(kids.pid(w)),
+               "worker_pid(%u) = %u, forked pid %d", w, ring->worker_pid(w),
+               static_cast<int>(kids.pid(w)));
+  }
+  run_loader_phases(loader, *ring, o, ck, 0, &kids);
+  const int64_t shutdown_ns = monotonic_ns();
+  ring->shutdown();
+  kids.reap_all(10000 * kMs, ck);
+  check_worker_stats(o, area, ck, shutdown_ns, &res.worker_passed, &res.worker_failed);
+  return res;
+}
+
+ModeResult run_thread_mode(const Options& o, Checker& ck) {
+  ModeResult res;
+  std::shared_ptr<Ring> ring = Ring::create(o.slots, o.workers, o.slot_bytes);
+  TestArea area(o.workers, o.items);
+  ThreadGroup threads(*ring);
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    std::shared_ptr<Ring> mine = ring;
+    if (o.thread_attach) {
+      const int fd = ::dup(ring->fd());
+      ck.require(fd >= 0, "dup: %s", std::strerror(errno));
+      mine = Ring::attach(fd);
+    }
+    threads.spawn([mine, w, &o, &area] {
+      try {
+        worker_loop(*mine, w, o, area);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "FAIL [worker %u] exception: %s\n", w, e.what());
+        area.stats(w).exit_code = 2;
+        area.stats(w).failed += 1;
+      }
+    });
+  }
+  const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
+  for (uint32_t w = 0; w < o.workers; ++w) {
+    while (ring->worker_pid(w) == 0 && monotonic_ns() < deadline) sleep_us(200);
+    ck.require(ring->worker_pid(w) != 0, "worker thread %u never started", w);
+  }
+  Loader loader(*ring, o, area, ck, nullptr);
+  run_loader_phases(loader, *ring, o, ck, ::getpid(), nullptr);
+  const int64_t shutdown_ns = monotonic_ns();
+  ring->shutdown();
+  threads.join_all();
+  for (uint32_t w = 0; w < o.workers; ++w)
+    ck.check(area.stats(w).exit_code == 0, "worker thread %u ended with code %d", w,
+             area.stats(w).exit_code);
+  check_worker_stats(o, area, ck, shutdown_ns, &res.worker_passed, &res.worker_failed);
+  return res;
+}
+
+// ---- timeouts, "infinite" timeouts and shutdown, on a quiet ring ------------
+
+void timing_test(const Options& o, Checker& ck) {
+  const int64_t slack = o.timing_slack_ms * kMs;
+  std::shared_ptr<Ring> ring = Ring::create(2, 1, 4096);
+  auto timed = [&](const char* what, int64_t timeout, WaitResult want, WaitResult got,
+                   int64_t el) {
+    ck.require(got == want, "%s(timeout %.1f ms) returned %s, expected %s", what, ms(timeout),
+               wait_name(got), wait_name(want));
+    if (want == WaitResult::TimedOut)
+      ck.require(el >= std::max<int64_t>(timeout, 0), "%s(timeout %.1f ms) timed out early: %.3f ms",
+                 what, ms(timeout), ms(el));
+    ck.require(el <= std::max<int64_t>(timeout, 0) + slack,
+               "%s(timeout %.1f ms) returned after %.3f ms (slack %.0f ms)", what, ms(timeout),
+               ms(el), ms(slack));
+  };
+  TaskRef t{};
+  for (int64_t timeout : {int64_t{-5} * kMs, int64_t{0}, 1 * kMs, 20 * kMs, 100 * kMs}) {
+    const int64_t t0 = monotonic_ns();
+    const WaitResult r = ring->next_task(0, timeout, &t);
+    timed("next_task", timeout, WaitResult::TimedOut, r, monotonic_ns() - t0);
+  }
+  uint32_t s = 0;
+  ck.require(ring->pop_free_slot(&s), "pop_free_slot on a fresh ring");
+  Task task{};
+  task.magic = kTaskMagic;
+  task.seq = 7;
+  task.check = task_check(task);
+  ring->assign(s, 7, 0, &task, sizeof task);
+  const uint64_t seq7 = 7;
+  for (int64_t timeout : {int64_t{0}, 30 * kMs}) {
+    int64_t t0 = monotonic_ns();
+    WaitResult r = ring->wait_ready(s, 7, timeout);
+    timed("wait_ready", timeout, WaitResult::TimedOut, r, monotonic_ns() - t0);
+    size_t which = 0;
+    t0 = monotonic_ns();
+    r = ring->wait_any(&s, &seq7, 1, timeout, &which);
+    timed("wait_any", timeout, WaitResult::TimedOut, r, monotonic_ns() - t0);
+  }
+  // A queued task comes back at once, whatever the timeout.
+  int64_t t0 = monotonic_ns();
+  WaitResult r = ring->next_task(0, INT64_MAX, &t);
+  timed("next_task(queued)", 0, WaitResult::Ready, r, monotonic_ns() - t0);
+  ck.require(t.slot == s && t.seq == 7 && t.task_len == sizeof task, "next_task gave the wrong task");
+  ck.require(ring->state(s) == SlotState::Writing, "slot not WRITING after next_task");
+
+  // main waiting with an "infinite" timeout is woken by a commit.
+  {
+    std::thread committer([&] {
+      sleep_us(30 * 1000);
+      ring->commit(s, SlotResult{5, 0, 0, 0});
+    });
+    t0 = monotonic_ns();
+    r = ring->wait_ready(s, 7, INT64_MAX);
+    const int64_t el = monotonic_ns() - t0;
+    committer.join();
+    ck.require(r == WaitResult::Ready, "wait_ready(INT64_MAX) returned %s", wait_name(r));
+    ck.require(el >= 25 * kMs && el <= 30 * kMs + slack,
+               "wait_ready(INT64_MAX) woke after %.1f ms for a commit at 30 ms", ms(el));
+    ck.require(ring->result(s).kind == 5, "result().kind after commit");
+    ring->release(s);
+  }
+  // A worker waiting with an "infinite" timeout is woken by an assign.
+  {
+    TaskRef t2{};
+    WaitResult r2 = WaitResult::Shutdown;
+    int64_t el2 = 0;
+    std::thread worker([&] {
+      const int64_t a = monotonic_ns();
+      r2 = ring->next_task(0, INT64_MAX, &t2);
+      el2 = monotonic_ns() - a;
+    });
+    sleep_us(30 * 1000);
+    ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+    task.seq = 8;
+    task.check = task_check(task);
+    ring->assign(s, 8, 0, &task, sizeof task);
+    worker.join();
+    ck.require(r2 == WaitResult::Ready && t2.seq == 8 && t2.slot == s,
+               "next_task(INT64_MAX) returned %s (seq %" PRIu64 ")", wait_name(r2), t2.seq);
+    ck.require(el2 <= 30 * kMs + slack, "next_task(INT64_MAX) woke after %.1f ms for an assign at 30 ms",
+               ms(el2));
+    ring->commit(s, SlotResult{6, 0, 0, 0});
+    ck.require(ring->wait_ready(s, 8, 0) == WaitResult::Ready, "wait_ready after commit");
+    ring->release(s);
+  }
+  // shutdown() wakes a worker sleeping with an "infinite" timeout, and a
+  // main-side waiter on another thread (a slot nobody will fill).
+  {
+    ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+    task.seq = 9;
+    task.check = task_check(task);
+    ring->assign(s, 9, 0, &task, sizeof task);  // queued, never popped: stays ASSIGNED
+    WaitResult r3 = WaitResult::Ready;
+    WaitResult r4 = WaitResult::Ready;
+    int64_t el3 = 0;
+    int64_t el4 = 0;
+    TaskRef t3{};
+    std::thread waiter([&] {
+      const int64_t a = monotonic_ns();
+      r4 = ring->wait_ready(s, 9, INT64_MAX);
+      el4 = monotonic_ns() - a;
+    });
+    sleep_us(30 * 1000);
+    // Pop the task first so the worker below finds an empty queue and sleeps.
+    ck.require(ring->next_task(0, 0, &t3) == WaitResult::Ready && t3.seq == 9, "next_task(seq 9)");
+    std::thread worker([&] {
+      const int64_t a = monotonic_ns();
+      r3 = ring->next_task(0, INT64_MAX, &t3);
+      el3 = monotonic_ns() - a;
+    });
+    sleep_us(30 * 1000);
+    ring->shutdown();
+    worker.join();
+    waiter.join();
+    ck.require(r3 == WaitResult::Shutdown, "next_task during shutdown() returned %s",
+               wait_name(r3));
+    ck.require(el3 <= 30 * kMs + slack, "shutdown() woke next_task after %.1f ms", ms(el3));
+    ck.require(r4 == WaitResult::Shutdown, "wait_ready during shutdown() returned %s",
+               wait_name(r4));
+    ck.require(el4 <= 60 * kMs + slack, "shutdown() woke wait_ready after %.1f ms", ms(el4));
+  }
+  ck.require(ring->is_shutdown(), "is_shutdown() after shutdown()");
+  t0 = monotonic_ns();
+  r = ring->next_task(0, 1000 * kMs, &t);
+  timed("next_task(after shutdown)", 0, WaitResult::Shutdown, r, monotonic_ns() - t0);
+  t0 = monotonic_ns();
+  r = ring->wait_ready(1, 99, 1000 * kMs);
+  timed("wait_ready(after shutdown)", 0, WaitResult::Shutdown, r, monotonic_ns() - t0);
+  std::printf("  timing: next_task/wait_ready/wait_any timeouts, INT64_MAX waits, shutdown: ok\n");
+}
+
+// shutdown() from one thread while another thread of main is about to sleep
+// in wait_ready(), or a worker in next_task(): the waiter must return
+// Shutdown at once, whatever the interleaving. Each trial starts the waiter,
+// lets it run a random few microseconds into its wait, then shuts down. (A
+// wake-up lost here costs the waiter its whole timeout.)
+void shutdown_race_test(const Options& o, Checker& ck) {
+  if (o.shutdown_trials == 0) return;
+  const int64_t timeout = 200 * kMs;
+  std::mt19937_64 rng(mix64(o.seed ^ 0x5d));
+  // How long a wait takes to get from its call to its futex_wait (a wait
+  // with timeout 0 runs the whole path but the sleep): shutdown() is fired
+  // at a random instant between half and one and a half times that, around
+  // the moment the waiter goes to sleep, whatever the build (sanitizers are
+  // slower).
+  int64_t reach_ns[2] = {0, 0};
+  {
+    std::shared_ptr<Ring> ring = Ring::create(1, 1, 4096);
+    std::vector<int64_t> d;
+    for (int side = 0; side < 2; ++side) {
+      d.clear();
+      for (int k = 0; k < 51; ++k) {
+        TaskRef t{};
+        const int64_t a = monotonic_ns();
+        if (side == 1) ring->wait_ready(0, 1, 0); else ring->next_task(0, 0, &t);
+        d.push_back(monotonic_ns() - a);
+      }
+      std::nth_element(d.begin(), d.begin() + 25, d.end());
+      reach_ns[side] = std::max<int64_t>(d[25], 1000);
+    }
+  }
+  int64_t worst = 0;
+  uint32_t lost = 0;
+  const int64_t t_start = monotonic_ns();
+  for (uint32_t i = 0; i < o.shutdown_trials; ++i) {
+    // Odd trials: a thread of main in wait_ready; even: a worker in next_task.
+    const bool main_side = i % 2 == 1;
+    std::shared_ptr<Ring> ring = Ring::create(1, 1, 4096);
+    uint32_t s = 0;
+    ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+    const char task[8] = {};
+    ring->assign(s, 1, 0, task, sizeof task);
+    TaskRef t{};
+    // Taken off the queue (WRITING, never committed): the worker finds an
+    // empty queue and main's slot never becomes READY.
+    ck.require(ring->next_task(0, 0, &t) == WaitResult::Ready, "next_task(queued)");
+    std::atomic<int64_t> started{0};
+    WaitResult r = WaitResult::Ready;
+    int64_t el = 0;
+    std::thread waiter([&] {
+      const int64_t a = monotonic_ns();
+      started.store(a);
+      r = main_side ? ring->wait_ready(s, 1, timeout) : ring->next_task(0, timeout, &t);
+      el = monotonic_ns() - a;
+    });
+    int64_t a = 0;
+    while ((a = started.load()) == 0) std::this_thread::yield();  // don't hold the waiter's CPU
+    const int64_t reach = reach_ns[main_side ? 1 : 0];
+    const int64_t shoot = a + reach / 2 + static_cast<int64_t>(rng() % static_cast<uint64_t>(reach));
+    while (monotonic_ns() < shoot) {
+    }
+    ring->shutdown();
+    waiter.join();
+    worst = std::max(worst, el);
+    if (!ck.check(r == WaitResult::Shutdown && el < timeout / 2,
+                  "trial %u: %s returned %s %.1f ms after it started, though shutdown() came "
+                  "within microseconds (lost wake-up)",
+                  i, main_side ? "wait_ready" : "next_task", wait_name(r), ms(el)))
+      ++lost;
+  }
+  ck.require(lost == 0, "%u of %u shutdown() races lost a wake-up", lost, o.shutdown_trials);
+  std::printf("  shutdown race: %u trials in %.0f ms (waits reach futex_wait in ~%.1f/%.1f us), "
+              "slowest wake-up %.2f ms\n",
+              o.shutdown_trials, ms(monotonic_ns() - t_start), reach_ns[0] / 1e3,
+              reach_ns[1] / 1e3, ms(worst));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse_args(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::printf("ring_stress: items %" PRIu64 ", workers %u, slots %u, slot_bytes %" PRIu64
+              ", seed %" PRIu64 ", mode %s\n",
+              o.items, o.workers, o.slots, o.slot_bytes, o.seed, o.mode.c_str());
+  Checker ck("main");
+  uint64_t worker_passed = 0;
+  uint64_t worker_failed = 0;
+  const int64_t start = monotonic_ns();
+  try {
+    if (o.timing) {
+      ck.set_who("main: timing");
+      timing_test(o, ck);
+    }
+    if (o.shutdown_trials > 0) {
+      ck.set_who("main: shutdown race");
+      shutdown_race_test(o, ck);
+    }
+    // Threads first would leave a multi-threaded parent to fork(); they are
+    // joined by then, but processes first keeps TSan's fork support simple.
+    if (o.mode == "process" || o.mode == "both") {
+      ck.set_who("main: process mode");
+      std::printf("process mode (%u forked workers, Ring::attach(dup(fd))):\n", o.workers);
+      const int64_t t0 = monotonic_ns();
+      ModeResult r = run_process_mode(o, ck);
+      worker_passed += r.worker_passed;
+      worker_failed += r.worker_failed;
+      std::printf("  process mode: %.0f ms\n", ms(monotonic_ns() - t0));
+    }
+    if (o.mode == "thread" || o.mode == "both") {
+      ck.set_who("main: thread mode");
+      std::printf("thread mode (%u worker threads, %s):\n", o.workers,
+                  o.thread_attach ? "one mapping each" : "one shared mapping");
+      const int64_t t0 = monotonic_ns();
+      ModeResult r = run_thread_mode(o, ck);
+      worker_passed += r.worker_passed;
+      worker_failed += r.worker_failed;
+      std::printf("  thread mode: %.0f ms\n", ms(monotonic_ns() - t0));
+    }
+  } catch (const Failure&) {
+    // Already reported; RAII has killed/joined the workers.
+  } catch (const std::exception& e) {
+    ck.check(false, "exception: %s", e.what());
+  }
+  const uint64_t passed = ck.passed() + worker_passed;
+  const uint64_t failed = ck.failed() + worker_failed;
+  std::printf("ring_stress: %s in %.1f s\n", failed == 0 ? "OK" : "FAILED",
+              ms(monotonic_ns() - start) / 1000.0);
+  std::printf("%" PRIu64 " passed, %" PRIu64 " failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,395 @@
+"""Errors raised in, or by the death of, real worker processes.
+
+Every test here starts real spawn workers (1-2 s each on a small machine),
+so related checks share one iterator through module-scoped fixtures where
+that does not blur what is being tested. Wall-clock bounds are generous and
+exist only to turn a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import traceback
+from multiprocessing import resource_tracker
+
+import pytest
+from torch.utils.data import DataLoader
+
+from conftest import _children, wait_no_children
+from fastload import FastLoader
+
+import faulty_datasets as fd
+
+NW = 2  # the CI machine has 2 cores
+HANG_S = 10.0  # anything slower than this is a hang, not a slow machine
+KILLED_RE = r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker_running():
+    # Starting the first spawn worker of the session starts multiprocessing's
+    # resource tracker, whose pipe stays open in this process for good: start
+    # it before no_leaks takes its fd snapshot.
+    resource_tracker.ensure_running()
+
+
+def _exc_text(exc: BaseException) -> str:
+    """str(exc) plus any PEP 678 notes."""
+    return "".join(traceback.format_exception_only(type(exc), exc))
+
+
+def _worker_no(msg: str) -> str:
+    m = re.search(r"in DataLoader worker process (\d+)", msg)
+    assert m, msg
+    return m.group(1)
+
+
+def _assert_shut_down(it, pids) -> None:
+    """The iterator has stopped its pool: no worker runs, next() does not hang."""
+    assert it._shutdown
+    assert fd.wait_pids_gone(pids, timeout=5) == []
+    t0 = time.monotonic()
+    # What a dead iterator raises is not DataLoader's business (it keeps going
+    # with the survivors); it must only neither hang nor hand out data.
+    with pytest.raises((StopIteration, RuntimeError, AssertionError)):
+        next(it)
+    assert time.monotonic() - t0 < HANG_S
+
+
+# ---------------------------------------------------------------------------
+# exceptions raised by the dataset
+
+MIXED_ERRORS = {3: "value", 6: "key", 11: "weird"}
+
+
+@pytest.fixture(scope="module")
+def mixed_results():
+    """outcomes() of DataLoader and FastLoader over a dataset raising three kinds of error.
+
+    The FastLoader keeps its workers for a second epoch (same results expected).
+    """
+    ds = fd.RaiseOn(16, MIXED_ERRORS)
+    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW))
+    loader = FastLoader(ds, batch_size=2, num_workers=NW, persistent_workers=True)
+    fl = fd.outcomes(loader)
+    fl2 = fd.outcomes(loader)
+    loader._iterator._shutdown_workers()
+    del loader
+    assert wait_no_children() == []
+    return dl, fl, fl2
+
+
+def _errors(results):
+    return {i: r for i, r in enumerate(results) if r[0] == "err"}
+
+
+def test_dataset_errors_resume_like_dataloader(mixed_results):
+    dl, fl, _ = mixed_results
+    # 8 batches; batches 1, 3 and 5 raise; every other batch still arrives, in order.
+    assert fd.shape_of(dl) == [
+        [0, 1], ValueError, [4, 5], KeyError, [8, 9], RuntimeError, [12, 13], [14, 15]
+    ]
+    assert fd.shape_of(fl) == fd.shape_of(dl)
+
+
+def test_dataset_errors_second_epoch_of_persistent_workers(mixed_results):
+    _, fl, fl2 = mixed_results
+    assert fd.shape_of(fl2) == fd.shape_of(fl)
+    for (_, t1, m1, _), (_, t2, m2, _) in zip(_errors(fl).values(), _errors(fl2).values()):
+        assert t1 is t2
+        assert _worker_no(m1) == _worker_no(m2)
+
+
+def test_dataset_error_message(mixed_results):
+    dl, fl, _ = mixed_results
+    _, typ, msg, _ = fl[1]
+    assert typ is ValueError
+    assert msg.startswith("Caught ValueError in DataLoader worker process ")
+    assert _worker_no(msg) == _worker_no(dl[1][2])
+    assert "bad sample 3" in msg
+    # the worker's traceback, down to the line that raised
+    assert "Original Traceback (most recent call last):" in msg
+    assert "faulty_datasets.py" in msg and "in __getitem__" in msg
+    assert "raise make_error(kind, i)" in msg
+    # the samples that made the batch
+    assert "[2, 3]" in msg
+
+
+def test_keyerror_message_like_dataloader(mixed_results):
+    # DataLoader wraps KeyError's message in KeyErrorMessage so that str()
+    # shows the traceback instead of a repr() of it.
+    dl, fl, _ = mixed_results
+    _, typ, msg, arg_types = fl[3]
+    _, dl_typ, dl_msg, dl_arg_types = dl[3]
+    assert typ is dl_typ is KeyError
+    assert arg_types == dl_arg_types == ("KeyErrorMessage",)
+    assert msg.startswith("Caught KeyError in DataLoader worker process ")
+    assert "\n" in msg and "\\n" not in msg  # readable, not repr()'d
+    assert "missing key for sample 6" in msg
+    assert "[6, 7]" in msg
+    assert _worker_no(msg) == _worker_no(dl_msg)
+
+
+def test_unconstructible_exception_becomes_runtime_error(mixed_results):
+    dl, fl, _ = mixed_results
+    _, typ, msg, _ = fl[5]
+    assert typ is dl[5][1] is RuntimeError
+    assert msg.startswith("Caught Weird in DataLoader worker process ")
+    assert "weird failure a='weird-a-11' b=11" in msg
+    assert "[10, 11]" in msg
+
+
+def test_collate_error_resumes_like_dataloader():
+    ds = fd.Plain(10)
+    collate = fd.RaisingCollate(5)
+    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
+    fl = fd.outcomes(FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
+    assert fd.shape_of(dl) == [[0, 1], [2, 3], ValueError, [6, 7], [8, 9]]
+    assert fd.shape_of(fl) == fd.shape_of(dl)
+    msg = fl[2][2]
+    assert msg.startswith("Caught ValueError in DataLoader worker process ")
+    assert _worker_no(msg) == _worker_no(dl[2][2])
+    assert "collate refuses batch with 5" in msg
+    assert "in __call__" in msg and "faulty_datasets.py" in msg
+    assert "[4, 5]" in msg
+
+
+def test_worker_init_fn_error_on_first_batch():
+    ds = fd.Plain(8)
+    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW,
+                                worker_init_fn=fd.failing_worker_init))
+    fl = fd.outcomes(FastLoader(ds, batch_size=2, num_workers=NW,
+                                worker_init_fn=fd.failing_worker_init))
+    # DataLoader: every batch fails, the first one per worker with the
+    # init_fn's error (later ones with a torch quirk), then StopIteration.
+    assert len(fl) == len(dl) == 4
+    assert all(r[0] == "err" for r in dl + fl)
+    for k in range(NW):  # the first batch of each worker
+        assert fl[k][1] is dl[k][1] is RuntimeError
+        assert fl[k][2].startswith(f"Caught RuntimeError in DataLoader worker process {k}")
+        assert f"worker_init_fn failed in worker {k}" in fl[k][2]
+        assert "failing_worker_init" in fl[k][2]
+    for r in fl[NW:]:
+        assert r[1] is RuntimeError and "worker_init_fn failed" in r[2]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="fastload bug: worker errors name the batch by its ring sequence number "
+    "(worker.py: f'(batch {seq}...)'), which keeps counting across the epochs of a "
+    "persistent pool, instead of the batch's index in the epoch",
+)
+def test_error_names_batch_of_the_epoch_in_later_epochs(mixed_results):
+    # fastload adds "(batch N, sample indices [...])" to a worker's error; N
+    # should be the batch's position in the epoch, as in its worker-death
+    # message ("It was making batch(es) N of this epoch").
+    _, fl, fl2 = mixed_results
+
+    def batch_named(msg):
+        m = re.search(r"\(batch (\d+)\b[^)]*sample indices \[2, 3\]\)", msg.splitlines()[0])
+        return None if m is None else int(m.group(1))
+
+    if batch_named(fl[1][2]) != 1:  # pytest.fail: not the expected failure
+        pytest.fail(fl[1][2])
+    head = fl2[1][2].splitlines()[0]
+    assert batch_named(head) == 1, head
+
+
+# ---------------------------------------------------------------------------
+# workers that die
+
+
+def _run_until_error(it, limit: int = 64):
+    """next() until an exception; returns (batches before it, the exception, seconds)."""
+    got = []
+    t0 = time.monotonic()
+    for _ in range(limit):
+        try:
+            b = next(it)
+        except Exception as e:  # noqa: BLE001
+            return got, e, time.monotonic() - t0
+        got.append(b.tolist())
+    raise AssertionError(f"no error after {limit} batches: {got}")
+
+
+def _is_prefix(got, full):
+    return got == full[: len(got)]
+
+
+def test_worker_sigkills_itself():
+    loader = FastLoader(fd.KillSelfOn(16, bad=4), batch_size=2, num_workers=NW)
+    it = iter(loader)
+    pids = it._pool.pids
+    got, err, took = _run_until_error(it)
+    # index 4 is in batch 2, which worker 0 makes; nothing after it arrives.
+    assert _is_prefix(got, [[0, 1], [2, 3]]), got
+    assert isinstance(err, RuntimeError)
+    m = re.search(KILLED_RE, str(err))
+    assert m, str(err)
+    assert int(m.group(1)) == pids[0]
+    assert "[4, 5]" in str(err)
+    assert took < HANG_S + 5  # includes worker start-up
+    _assert_shut_down(it, pids)
+    del err, it
+
+
+def test_worker_sigkilled_by_main_process():
+    loader = FastLoader(fd.Plain(64, delay=0.05), batch_size=2, num_workers=NW)
+    it = iter(loader)
+    pids = it._pool.pids
+    assert next(it).tolist() == [0, 1]
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    got, err, _ = _run_until_error(it)
+    took = time.monotonic() - t0
+    full = [[i, i + 1] for i in range(2, 64, 2)]
+    assert _is_prefix(got, full), got
+    assert isinstance(err, RuntimeError)
+    m = re.search(KILLED_RE, str(err))
+    assert m, str(err)
+    assert int(m.group(1)) == pids[0]
+    assert took < HANG_S, f"took {took:.1f}s to notice a SIGKILLed worker"
+    _assert_shut_down(it, pids)
+    del err, it
+
+
+EXITS = {
+    "os._exit(3)": (fd.HardExitOn(16, bad=4, code=3), 3),
+    # SystemExit is not an Exception: the worker's loop does not catch it.
+    "sys.exit(0)": (fd.SysExitOn(16, bad=4, code=0), 0),
+}
+
+
+@pytest.fixture(scope="module", params=list(EXITS))
+def worker_exit(request):
+    """A worker leaves on its own on index 4: (pids, batches before, error text, seconds)."""
+    dataset, code = EXITS[request.param]
+    loader = FastLoader(dataset, batch_size=2, num_workers=NW)
+    it = iter(loader)
+    pids = it._pool.pids
+    got, err, took = _run_until_error(it)
+    assert isinstance(err, RuntimeError), repr(err)
+    text = str(err)
+    del err
+    _assert_shut_down(it, pids)
+    del it, loader
+    assert wait_no_children() == []
+    return code, pids, got, text, took
+
+
+def test_worker_exits(worker_exit):
+    code, pids, got, text, took = worker_exit
+    assert _is_prefix(got, [[0, 1], [2, 3]]), got
+    assert re.search(
+        rf"DataLoader worker \(pid {pids[0]}\) exited unexpectedly with exit code {code}\. ", text
+    ), text
+    assert "[4, 5]" in text
+    assert took < HANG_S + 5  # includes worker start-up
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="fastload bug (cosmetic): describe_exit() (pool.py) ends its exit-code "
+    "message without the trailing space its signal message has, and "
+    "_check_workers (loader.py) appends 'It was making batch(es) ...' directly: "
+    "'...better error trace.It was making batch(es) 2 ...'",
+)
+def test_worker_exit_message_is_readable(worker_exit):
+    _code, _pids, _got, text, _took = worker_exit
+    assert "trace.It was" not in text, text
+    assert "error trace. It was making batch(es) 2" in text, text
+
+
+# ---------------------------------------------------------------------------
+# timeout
+
+
+def _wait_workers_started(it, timeout: float = 30.0) -> None:
+    """Until every worker has reached its loop (spawn start-up is not what we time)."""
+    deadline = time.monotonic() + timeout
+    while not all(it._ring.worker_pid(w) > 0 for w in range(it._num_workers)):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.02)
+
+
+def test_timeout():
+    loader = FastLoader(fd.SleepOn(8, bad=4, seconds=5), batch_size=2, num_workers=NW,
+                        timeout=1)
+    it = iter(loader)
+    pids = it._pool.pids
+    _wait_workers_started(it)
+    got = [next(it).tolist(), next(it).tolist()]
+    assert got == [[0, 1], [2, 3]]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 1 seconds$"):
+        next(it)
+    took = time.monotonic() - t0
+    assert 0.9 <= took < HANG_S, took
+    _assert_shut_down(it, pids)
+
+
+# ---------------------------------------------------------------------------
+# what cannot be pickled
+
+
+def test_unpicklable_batch():
+    # A batch holding a lock (made by the collate_fn), then one holding a
+    # generator (a sample). DataLoader hangs on these (its queue's feeder
+    # thread drops the batch); fastload names the batch and goes on.
+    loader = FastLoader(fd.GeneratorOn(10, bad=5), batch_size=2, num_workers=NW,
+                        collate_fn=fd.LockInBatch(3))
+    results = fd.outcomes(loader)
+    assert [r[0] for r in results] == ["ok", "err", "err", "ok", "ok"]
+    for k, what, worker in [(1, "_thread.lock", 1), (2, "generator", 0)]:
+        _, typ, msg, _ = results[k]
+        assert typ is TypeError
+        assert msg.startswith(f"Caught TypeError in DataLoader worker process {worker} ")
+        assert f"cannot pickle '{what}' object" in msg
+        assert f"[{2 * k}, {2 * k + 1}]" in msg
+        assert "to the main process" in msg
+    data = [[int(x) for x in results[k][1]["data"]] for k in (0, 3, 4)]
+    assert data == [[0, 1], [6, 7], [8, 9]]
+    assert all(set(results[k][1]) == {"data"} for k in (0, 3, 4))
+
+
+@pytest.mark.parametrize("kind", ["lock", "socket"])
+def test_unpicklable_dataset_fails_at_iter(kind):
+    ds = fd.HoldsLock(8) if kind == "lock" else fd.HoldsSocket(8)
+    try:
+        loader = FastLoader(ds, batch_size=2, num_workers=NW)
+        t0 = time.monotonic()
+        with pytest.raises(TypeError) as info:
+            iter(loader)
+        assert time.monotonic() - t0 < HANG_S
+        text = _exc_text(info.value)
+        assert "cannot pickle" in text
+        assert "dataset" in text
+        assert ("lock" if kind == "lock" else "socket") in text
+        # nothing was started
+        assert _children() == []
+    finally:
+        if kind == "socket":
+            ds.close()
+
+
+# ---------------------------------------------------------------------------
+# empty dataset
+
+
+def test_empty_dataset():
+    dl = DataLoader(fd.Empty(), batch_size=2, num_workers=NW)
+    fl = FastLoader(fd.Empty(), batch_size=2, num_workers=NW)
+    assert len(fl) == len(dl) == 0
+    for loader in (dl, fl):
+        it = iter(loader)
+        t0 = time.monotonic()
+        with pytest.raises(StopIteration):
+            next(it)
+        assert time.monotonic() - t0 < HANG_S
+        del it
+    assert list(dl) == []
