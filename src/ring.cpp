@@ -262,6 +262,9 @@ void Ring::lease(uint32_t s) {
 void Ring::release(uint32_t s) {
   check_slot(s);
   ShmSlot& sl = slot(s);
+  const uint32_t st = load_acquire(sl.state);
+  if (st != u32(SlotState::Ready) && st != u32(SlotState::Leased))
+    throw std::logic_error("fastload: release() of a slot that is neither READY nor LEASED");
   // Main read the payload before this (views are dead); the next assign()
   // by main itself follows in program order, so release is enough.
   store_release(sl.state, u32(SlotState::Free));

@@ -177,14 +177,6 @@ def test_persistent_workers_loader_deleted():
     _assert_no_workers(pids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: _FastLoaderIter keeps a strong reference to its loader "
-    "(loader.py: self._loader_ref = loader), and a persistent loader keeps its "
-    "iterator (DataLoader._iterator): the cycle keeps the workers alive after "
-    "`del loader` until the cyclic GC runs; DataLoader stops them at once",
-)
 def test_persistent_workers_stop_on_del_without_gc():
     for cls in (DataLoader, FastLoader):
         loader = cls(fd.Plain(10), batch_size=2, num_workers=NW, persistent_workers=True)
@@ -401,14 +393,6 @@ def test_keyboard_interrupt_in_subprocess(script):
     assert "did not stop" not in err, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: a spawned worker only ignores SIGINT once worker_main runs "
-    "(worker.py: signal.signal(SIGINT, SIG_IGN)), after unpickling its spawn data has "
-    "imported fastload and torch (1-3 s); a Ctrl-C in that window kills every starting "
-    "worker with its own KeyboardInterrupt traceback",
-)
 def test_keyboard_interrupt_while_workers_start(script):
     s = script()
     s.start_loader()

@@ -478,14 +478,6 @@ def test_large_samples(slot_bytes, collate):
         assert b.shape == (2, 5_000_000) and b[1, 1].item() == 1.0 and b[1, 997].item() == -1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: a batch whose slot part is empty (data_len == 0) but "
-    "which went to the overflow segment is read with bases [None, overflow]; a "
-    "zero-length numpy buffer placed in the slot then fails in read_batch "
-    "(TypeError: 'NoneType' object is not subscriptable)",
-)
 def test_empty_numpy_array_with_overflow():
     def check() -> None:
         compare(
@@ -585,16 +577,6 @@ def overflow_fds() -> Dict[int, str]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: _FastLoaderIter._hand_back_pool() sets self._pool = None "
-    "before discarding the done-but-unclaimed results, so _discard_result() skips "
-    "recv_overflow() for them; their overflow fds stay in the worker's socket, are "
-    "later stored by recv_overflow() as 'early' fds nobody claims, and "
-    "WorkerPool's finalizer never closes WorkerPool._overflow_fds: fd (and memfd "
-    "memory) leak",
-)
 def test_overflow_batches_left_early(tmp_path):
     """1 MiB slots: every batch goes through an overflow segment. Batch 1 is
     ready before batch 0 (sample 0 waits for it), so when the first iterator is
@@ -666,13 +648,6 @@ def test_dataset_changed_between_epochs():
     assert sum(len(b["idx"]) for b in got[1]) == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: default_collate called inside a worker stacks into the "
-    "ring slot being written (worker.collate_tensor_into_slot), so a tensor the "
-    "dataset keeps (here a cache) aliases a slot that later batches overwrite",
-)
 def test_tensor_kept_by_dataset_in_worker():
     """A dataset that builds items with default_collate and caches them: the
     second visit of an index must return the same values as the first."""
@@ -715,14 +690,6 @@ def test_len_matches_iterable(drop_last):
         assert len(FastLoader(ds, num_workers=2, **kw)) == len(DataLoader(ds, num_workers=2, **kw))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: batches lose DataLoader's aliasing: serialize._BatchPickler."
-    "persistent_id runs before pickle's memo, so a tensor appearing twice becomes two "
-    "objects, and a tensor not made in the slot is copied once per occurrence (views "
-    "of it stop sharing memory with it)",
-)
 def test_aliasing_within_a_batch():
     """``{"x": t, "x_again": t, "x_tail": t[:, 1:]}``: DataLoader's batch has
     ``x_again is x`` and in-place writes to ``x`` show through the view."""

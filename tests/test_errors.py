@@ -176,13 +176,6 @@ def test_worker_init_fn_error_on_first_batch():
         assert r[1] is RuntimeError and "worker_init_fn failed" in r[2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug: worker errors name the batch by its ring sequence number "
-    "(worker.py: f'(batch {seq}...)'), which keeps counting across the epochs of a "
-    "persistent pool, instead of the batch's index in the epoch",
-)
 def test_error_names_batch_of_the_epoch_in_later_epochs(mixed_results):
     # fastload adds "(batch N, sample indices [...])" to a worker's error; N
     # should be the batch's position in the epoch, as in its worker-death
@@ -291,14 +284,6 @@ def test_worker_exits(worker_exit):
     assert took < HANG_S + 5  # includes worker start-up
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastload bug (cosmetic): describe_exit() (pool.py) ends its exit-code "
-    "message without the trailing space its signal message has, and "
-    "_check_workers (loader.py) appends 'It was making batch(es) ...' directly: "
-    "'...better error trace.It was making batch(es) 2 ...'",
-)
 def test_worker_exit_message_is_readable(worker_exit):
     _code, _pids, _got, text, _took = worker_exit
     assert "trace.It was" not in text, text

@@ -19,7 +19,7 @@ import pickle
 import time
 import mmap
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, NoReturn, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -179,6 +179,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._held_batches = loader.held_batches
         self._pool: Optional[WorkerPool] = None
         self._shutdown = False
+        self._fatal: Optional[str] = None
         self._epoch = 0
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
         self._task_info: Dict[int, _Task] = {}
@@ -340,8 +341,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 return task
             self._check_workers()
             if deadline is not None and time.monotonic() >= deadline:
-                self._shutdown_workers()
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                self._fail(f"DataLoader timed out after {self._timeout} seconds")
 
     def _check_workers(self) -> None:
         assert self._pool is not None
@@ -358,13 +358,21 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 idxs = [t.index for t in mine]
                 msg += f"It was making batch(es) {batches} of this epoch (indices {_short(idxs)}). "
             msgs.append(msg)
+        self._fail("".join(msgs).strip())
+
+    def _fail(self, msg: str) -> NoReturn:
+        """A dead worker or a timeout ends the epoch: stop the workers and
+        raise now and at every later next()."""
+        self._fatal = msg
         self._shutdown_workers()
-        raise RuntimeError("".join(msgs).strip())
+        raise RuntimeError(msg)
 
     def _release_result(self, task: _Task) -> None:
         self._discard_result(task.seq, task.slot, task.worker)
 
     def _next_data(self) -> Any:
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
             # Skip tasks of workers that ended (IterableDataset) with no result.
@@ -483,16 +491,18 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
-        pool, self._pool = self._pool, None
+        pool = self._pool
         if pool is None:
             return
         loader = self._loader_ref()
         if loader is None or self._persistent_workers or not pool.alive:
+            self._pool = None
             pool.shutdown()
             return
         for task in self._task_info.values():
-            if task.done:
+            if task.done:  # while self._pool is set: an overflow fd is collected too
                 self._discard_result(task.seq, task.slot, task.worker)
+        self._pool = None
         pool.orphans = [(t.seq, t.slot, t.worker) for t in self._inflight.values()]
         pool.orphans += [(seq, slot, w) for seq, (slot, w) in self._session.items()]
         self._inflight.clear()

@@ -58,13 +58,44 @@ def _accelerators_hidden(active: bool) -> Iterator[None]:
                     os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _sigint_ignored_in_children(active: bool) -> Iterator[None]:
+    """Start a spawned worker with SIGINT ignored from its first instruction.
+
+    Ctrl-C goes to the whole process group. Python installs its
+    KeyboardInterrupt handler at start-up only where SIGINT is not ignored,
+    so a worker started this way never dies half-imported with its own
+    traceback; the main process gets the KeyboardInterrupt and shuts it
+    down. (Only the main thread may change handlers; elsewhere the worker
+    ignores SIGINT once its loop starts.)
+    """
+    if (not active or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is None):  # None: a handler not set from Python
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
-          socks: List[socket.socket], grace_s: float = 2.0) -> None:
+          socks: List[socket.socket], overflow_fds: Dict[int, int],
+          grace_s: float = 2.0) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit."""
     try:
         ring.shutdown()
     except Exception:  # pragma: no cover - never let clean-up raise
         pass
+    for i, p in enumerate(procs):
+        try:
+            # Still starting (importing torch): it would only see the
+            # shutdown flag seconds from now. Nothing of ours runs in it yet.
+            if p.pid is not None and ring.worker_pid(i) == 0 and p.is_alive():
+                p.terminate()
+        except Exception:  # pragma: no cover
+            pass
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -84,6 +115,12 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
                     p.join(1.0)
         except Exception:  # pragma: no cover
             pass
+    for fd in overflow_fds.values():
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover
+            pass
+    overflow_fds.clear()
     for s in socks:
         try:
             s.close()
@@ -123,7 +160,8 @@ class WorkerPool:
         self._seq = 0
         # (seq, slot, worker) of tasks a previous iterator left in flight.
         self.orphans: List[Tuple[int, int, int]] = []
-        self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks)
+        self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
+                                           self._overflow_fds)
         handle = RingHandle(self.ring)
         # Only spawn execs a new interpreter from this environment; a
         # forkserver started inside the window would keep the hidden
@@ -147,7 +185,8 @@ class WorkerPool:
                         target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
                     )
                     try:
-                        p.start()
+                        with _sigint_ignored_in_children(spawn):
+                            p.start()
                     finally:
                         theirs.close()
                     self.procs.append(p)
@@ -227,9 +266,6 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
-        for fd in self._overflow_fds.values():
-            os.close(fd)
-        self._overflow_fds.clear()
         self._finalizer()
 
 
@@ -245,7 +281,7 @@ def describe_exit(pid: int, exitcode: int) -> str:
     return (
         f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
         "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
-        "better error trace."
+        "better error trace. "
     )
 
 

@@ -27,7 +27,7 @@ import io
 import mmap
 import os
 import pickle
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,6 +100,10 @@ class SlotWriter:
         self._overflow: Optional[_Arena] = None
         self._pending: List[Tuple[int, Any]] = []  # (overflow offset, tensor or memoryview)
         self._buffers: List[Tuple[int, int, int]] = []
+        self._ids: Dict[int, tuple] = {}
+        self._storages: Dict[Tuple[int, int], Tuple[int, int]] = {}
+        self._keep: List[Any] = []
+        self._collating = False
 
     # -- during the batch --------------------------------------------------
     def begin(self, slot: int) -> None:
@@ -108,6 +112,25 @@ class SlotWriter:
         self._overflow = None
         self._pending = []
         self._buffers = []
+        self._ids = {}
+        self._storages = {}
+        self._keep = []
+
+    def collating(self, fn: Any) -> Any:
+        """Wrap the loader's collate_fn: only while it runs do stacked tensors
+        go straight into the slot. A tensor made elsewhere in the worker (say a
+        dataset caching ``default_collate`` output) may outlive the batch, so it
+        must not live in memory the next batch overwrites; it is copied in at
+        serialisation instead."""
+
+        def collate_in_slot(batch: Any) -> Any:
+            self._collating = True
+            try:
+                return fn(batch)
+            finally:
+                self._collating = False
+
+        return collate_in_slot
 
     def abort(self) -> None:
         """Drop the batch being written (it failed); the slot is reused as is."""
@@ -115,10 +138,14 @@ class SlotWriter:
         self._overflow = None
         self._pending = []
         self._buffers = []
+        self._ids = {}
+        self._storages = {}
+        self._keep = []
 
     def alloc_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """A contiguous tensor in the current slot, or None when it is full."""
-        if self._arena is None:
+        """A contiguous tensor in the current slot, or None when it is full or
+        when no batch-level collate is running (see :meth:`collating`)."""
+        if self._arena is None or not self._collating:
             return None
         numel = 1
         for s in shape:
@@ -142,25 +169,61 @@ class SlotWriter:
 
     # -- pickling hooks ----------------------------------------------------
     def tensor_id(self, t: torch.Tensor) -> Optional[tuple]:
+        """The persistent id of a tensor: the same object always gets the same
+        id (pickle consults persistent ids before its memo), and tensors that
+        share a storage are copied with it once, so aliasing, views and
+        strides survive as they do through DataLoader."""
         if not _plain_cpu_tensor(t):
             return None
+        key = id(t)
+        pid = self._ids.get(key)
+        if pid is None:
+            pid = self._describe(t) + (len(self._ids),)
+            self._ids[key] = pid
+        return pid
+
+    def _describe(self, t: torch.Tensor) -> tuple:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
+        meta = (t.dtype, tuple(t.shape), t.stride())
         extent = _extent_bytes(t)
-        ptr = t.data_ptr() - self._base_ptr - self._slot_start
+        if extent == 0:
+            return (0, 0) + meta + (0, t.requires_grad)
         assert self._arena is not None
-        if extent > 0 and 0 <= ptr and ptr + extent <= self._arena.off:
+        ptr = t.data_ptr() - self._base_ptr - self._slot_start
+        if 0 <= ptr and ptr + extent <= self._arena.off:
             # Already in this slot (stacked there by the collate): describe it.
-            return (0, ptr, t.dtype, tuple(t.shape), t.stride(), extent, t.requires_grad)
+            return (0, ptr) + meta + (extent, t.requires_grad)
+        storage = t.untyped_storage()
+        skey = (storage.data_ptr(), storage.nbytes())
+        placed = self._storages.get(skey)
+        if placed is None and storage.nbytes() <= 2 * extent + 4096:
+            # Copy the whole storage (it is not much bigger than the view):
+            # other tensors of this batch viewing it will share the copy.
+            src = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            placed = self._copy_in(src)
+            self._storages[skey] = placed
+            self._keep.append(storage)  # its address must stay unique while pickling
+        if placed is not None:
+            buf, off = placed
+            return (buf, off + t.storage_offset() * t.element_size()) + meta + (
+                extent, t.requires_grad)
+        # A small view of a big storage: copy just the view, compacted.
+        buf, off = self._copy_in(t)
+        stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
+        return (buf, off, t.dtype, tuple(t.shape), stride, t.numel() * t.element_size(),
+                t.requires_grad)
+
+    def _copy_in(self, t: torch.Tensor) -> Tuple[int, int]:
+        """Copy ``t``'s elements, contiguously, to the slot or the overflow."""
         nbytes = t.numel() * t.element_size()
         buf, off = self._place(nbytes)
-        if buf == 0 and nbytes:
+        if buf == 0:
             start = self._slot_start + off
             self._u8[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        elif nbytes:
+        else:
             self._pending.append((off, t))
-        stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
-        return (buf, off, t.dtype, tuple(t.shape), stride, nbytes, t.requires_grad)
+        return buf, off
 
     def buffer_callback(self, pb: pickle.PickleBuffer) -> bool:
         try:
@@ -208,9 +271,7 @@ class SlotWriter:
             fd = _write_overflow(total, self._pending, meta_off, meta)
             return data_len, meta_off, len(meta), fd, total
         finally:
-            self._arena = None
-            self._pending = []
-            self._buffers = []
+            self.abort()
 
 
 def _write_overflow(total: int, pending: List[Tuple[int, Any]], meta_off: int, meta: bytes) -> int:
@@ -249,9 +310,16 @@ class _BatchUnpickler(pickle.Unpickler):
         super().__init__(f, buffers=buffers)
         self._bases = bases
         self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
+        self._memo: Dict[int, torch.Tensor] = {}
 
     def persistent_load(self, pid: tuple) -> torch.Tensor:
-        buf, off, dtype, shape, stride, extent, requires_grad = pid
+        t = self._memo.get(pid[-1])
+        if t is None:
+            t = self._memo[pid[-1]] = self._build(*pid[:-1])
+        return t
+
+    def _build(self, buf: int, off: int, dtype: torch.dtype, shape: tuple, stride: tuple,
+               extent: int, requires_grad: bool) -> torch.Tensor:
         if extent == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
@@ -280,7 +348,7 @@ def read_batch(meta: Any, bases: List[Any]) -> Any:
     if head == _WITH_BUFFERS:
         descs, body = pickle.loads(body)
         views = [_bytes_view(b) for b in bases]
-        buffers = [views[b][off : off + n] for b, off, n in descs]
+        buffers = [views[b][off : off + n] if n else memoryview(bytearray()) for b, off, n in descs]
     return _BatchUnpickler(io.BytesIO(body), bases, buffers).load()
 
 

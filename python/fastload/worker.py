@@ -90,7 +90,8 @@ def _recv_blob(sock: socket.socket) -> bytes:
 class _Session:
     """One session of a worker: a dataset replica, its seeds and its fetcher."""
 
-    def __init__(self, blob: bytes, base_seed: int, worker_id: int, num_workers: int) -> None:
+    def __init__(self, blob: bytes, base_seed: int, worker_id: int, num_workers: int,
+                 wrap_collate: Any) -> None:
         import torch
         from torch._utils import ExceptionWrapper
         from torch.utils.data._utils import HAS_NUMPY
@@ -110,6 +111,7 @@ class _Session:
         try:
             (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
              self.drop_last) = _pickling.loads(blob)
+            self.collate_fn = wrap_collate(self.collate_fn)
         except Exception:
             self.init_exception = ExceptionWrapper(
                 where=f"{self.where} while unpickling the dataset"
@@ -186,6 +188,7 @@ def worker_main(spec: WorkerSpec) -> None:
         elem = batch[0]
         if elem.is_nested or elem.layout != torch.strided or elem.device.type != "cpu":
             return torch_collate_tensor(batch, collate_fn_map=collate_fn_map)
+        # Outside the batch's collate: plain memory, never torch's /dev/shm.
         out = writer.alloc_tensor((len(batch), *elem.shape), elem.dtype)
         return torch.stack(batch, 0, out=out)
 
@@ -218,7 +221,8 @@ def worker_main(spec: WorkerSpec) -> None:
             task = pickle.loads(mv[start : start + task_len])
             if task[0] == OP_SESSION:
                 session = None  # drop the old replica before unpickling the new one
-                session = _Session(_recv_blob(spec.sock), task[1], wid, spec.num_workers)
+                session = _Session(_recv_blob(spec.sock), task[1], wid, spec.num_workers,
+                                   writer.collating)
                 ring.commit(slot, KIND_DATA, 0, 0, 0)
                 continue
             _op, epoch, batch_idx, index = task
