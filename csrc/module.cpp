@@ -114,6 +114,8 @@ PYBIND11_MODULE(_core, m) {
              return py::int_(s);
            })
       .def("free_slot_count", &Ring::free_slot_count)
+      .def("push_free_slot", &Ring::push_free_slot, py::arg("slot"),
+           "Put back a slot from pop_free_slot() that was never assigned.")
       .def("assign",
            [](Ring& r, uint32_t slot, uint64_t seq, uint32_t worker, py::buffer task) {
              py::buffer_info info = task.request();

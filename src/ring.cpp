@@ -144,6 +144,14 @@ bool Ring::pop_free_slot(uint32_t* s) {
   return true;
 }
 
+void Ring::push_free_slot(uint32_t s) {
+  check_slot(s);
+  if (load_acquire(slot(s).state) != u32(SlotState::Free))
+    throw std::logic_error("fastload: push_free_slot() of a slot that is not FREE");
+  std::lock_guard<std::mutex> g(free_mu_);
+  free_slots_.push_back(s);
+}
+
 size_t Ring::free_slot_count() const {
   std::lock_guard<std::mutex> g(free_mu_);
   return free_slots_.size();

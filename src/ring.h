@@ -141,6 +141,8 @@ class Ring {
   // Takes a FREE slot off the process-local free list; false when none is.
   bool pop_free_slot(uint32_t* slot);
   size_t free_slot_count() const;
+  // Puts back a slot taken by pop_free_slot() and never assigned.
+  void push_free_slot(uint32_t slot);
   // FREE -> ASSIGNED, task bytes copied to the payload start, queued for `worker`.
   void assign(uint32_t slot, uint64_t seq, uint32_t worker, const void* task, size_t task_len);
   // Waits until `slot` is READY with stamp `seq`.

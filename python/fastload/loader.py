@@ -145,7 +145,8 @@ class FastLoader(DataLoader[T_co]):
         return None
 
     def _keep_idle_pool(self, pool: WorkerPool) -> None:
-        if self.reuse_workers and self._idle_pool is None and pool.alive:
+        if (self.reuse_workers and self._idle_pool is None and pool.alive
+                and pool.slots_accounted_for()):
             self._idle_pool = pool
         else:
             pool.shutdown()
@@ -229,6 +230,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
+        if self._fatal is not None:  # a persistent pool that lost a worker stays failed
+            raise RuntimeError(self._fatal)
         if not first_iter:
             # A persistent pool's next epoch: DataLoader waits for every
             # worker to acknowledge _ResumeIteration; we wait out the
@@ -300,17 +303,25 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         task_bytes = pickle.dumps(
             (OP_FETCH, self._epoch, self._send_idx, index), protocol=pickle.HIGHEST_PROTOCOL
         )
-        try:
-            self._ring.assign(slot, seq, worker_queue_idx, task_bytes)
-        except BaseException:
-            self._ring.release(slot)
-            raise
+        # Tracked before the assign: a KeyboardInterrupt delivered right after
+        # it must not leave a task in flight that nobody waits for.
         task = _Task(self._send_idx, seq, worker_queue_idx, slot, index)
         self._task_info[self._send_idx] = task
         self._inflight[seq] = task
         self._workers_num_tasks[worker_queue_idx] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
+        try:
+            self._ring.assign(slot, seq, worker_queue_idx, task_bytes)
+        except BaseException:
+            if self._ring.state(slot) == _core.SlotState.FREE:  # not handed out: undo
+                self._send_idx -= 1
+                del self._task_info[self._send_idx]
+                del self._inflight[seq]
+                self._workers_num_tasks[worker_queue_idx] -= 1
+                self._tasks_outstanding -= 1
+                self._ring.push_free_slot(slot)
+            raise
 
     # ---- receiving ---------------------------------------------------------
     def _receive_one(self, deadline: Optional[float]) -> _Task:

@@ -204,6 +204,16 @@ class WorkerPool:
     def alive(self) -> bool:
         return self._finalizer.alive and not self.dead_workers()
 
+    def slots_accounted_for(self) -> bool:
+        """Every slot is free, leased by the loop, or an orphan being finished.
+
+        False when an interrupted iterator (say a KeyboardInterrupt between
+        two bookkeeping steps) lost track of one: such a pool is not reused.
+        """
+        ring = self.ring
+        leased = sum(ring.state(i) == _core.SlotState.LEASED for i in range(ring.num_slots))
+        return ring.free_slot_count() + leased + len(self.orphans) == ring.num_slots
+
     def next_seq(self) -> int:
         seq = self._seq
         self._seq += 1

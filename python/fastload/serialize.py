@@ -107,14 +107,9 @@ class SlotWriter:
 
     # -- during the batch --------------------------------------------------
     def begin(self, slot: int) -> None:
+        self.abort()
         self._slot_start = slot * self.slot_bytes
         self._arena = _Arena(self.slot_bytes)
-        self._overflow = None
-        self._pending = []
-        self._buffers = []
-        self._ids = {}
-        self._storages = {}
-        self._keep = []
 
     def collating(self, fn: Any) -> Any:
         """Wrap the loader's collate_fn: only while it runs do stacked tensors
