@@ -69,11 +69,9 @@ def _run_once(kind: str, ds: Dataset, batch_size: int, workers: int, seconds: fl
     loader = cls(ds, batch_size=batch_size, num_workers=workers, multiprocessing_context="spawn",
                  persistent_workers=False)
     t0 = time.perf_counter()
-    cpu0 = time.process_time()
     it = iter(loader)
     first = next(it)
     t_first = time.perf_counter() - t0
-    expected = 0
     ok = bool(torch.equal(_labels(first), torch.arange(len(_labels(first)))))
     expected = len(_labels(first))
     del first  # the loop below holds one batch at a time, as a training loop does
@@ -91,7 +89,6 @@ def _run_once(kind: str, ds: Dataset, batch_size: int, workers: int, seconds: fl
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
     del it, loader
-    _ = cpu0
     return {
         "samples_per_s": n_samples / elapsed,
         "batches_per_s": n_batches / elapsed,
