@@ -49,6 +49,15 @@ def wait_no_children(timeout: float = 10.0) -> List[psutil.Process]:
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _resource_tracker_running():
+    """The first spawn starts multiprocessing's resource tracker, whose pipe
+    stays open in this process for good: start it before any fd snapshot."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Fail a test that leaves a worker process, an fd or a /dev/shm entry behind."""

@@ -31,3 +31,18 @@ class RingHandle:
 
 def _attach(dup: Any) -> RingHandle:
     return RingHandle(_core.Ring.attach(dup.detach()))
+
+
+class FdHandle:
+    """Picklable reference to one file descriptor, for worker processes
+    (passed the same way as the ring: DupFd while the Process starts)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], tuple]:
+        return _fd_from_dup, (reduction.DupFd(self.fd),)
+
+
+def _fd_from_dup(dup: Any) -> FdHandle:
+    return FdHandle(dup.detach())

@@ -28,6 +28,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _core, _pickling
+from .errors import WorkerHangError
 from .pool import WorkerPool, describe_exit, default_context
 from .worker import OP_FETCH
 from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, read_batch
@@ -66,6 +67,10 @@ class FastLoader(DataLoader[T_co]):
             dataset and reseeding them as fresh DataLoader workers would be
             (default True; the processes end with the loader). False starts
             new processes every epoch, as DataLoader does.
+        hang_timeout: seconds a worker may hold one batch without progress
+            before :class:`fastload.WorkerHangError` (with the worker's Python
+            stack) ends the epoch; a warning is logged at half of it.
+            ``None`` turns the watchdog off (default 300).
 
     Differences from DataLoader, on purpose: workers are started with
     ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
@@ -98,15 +103,25 @@ class FastLoader(DataLoader[T_co]):
         slot_bytes: Optional[int] = None,
         held_batches: int = 4,
         reuse_workers: bool = True,
+        hang_timeout: Optional[float] = 300.0,
     ) -> None:
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
             raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
+        if hang_timeout is not None and (
+            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float))
+            or not hang_timeout > 0
+        ):
+            raise ValueError(
+                f"hang_timeout option should be a positive number of seconds or None, "
+                f"but got {hang_timeout!r}"
+            )
         if not isinstance(held_batches, int) or held_batches < 1:
             raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
         self.allow_gpu_in_workers = bool(allow_gpu_in_workers)
         self.slot_bytes = slot_bytes
         self.held_batches = held_batches
         self.reuse_workers = bool(reuse_workers)
+        self.hang_timeout = hang_timeout
         self._learned_batch_bytes = 0
         self._idle_pool: Optional[WorkerPool] = None
         super().__init__(
@@ -181,6 +196,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._pool: Optional[WorkerPool] = None
         self._shutdown = False
         self._fatal: Optional[str] = None
+        self._hang_timeout = loader.hang_timeout
+        self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
         self._epoch = 0
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
         self._task_info: Dict[int, _Task] = {}
@@ -351,6 +368,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 task.done = True
                 return task
             self._check_workers()
+            self._check_hangs()
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"DataLoader timed out after {self._timeout} seconds")
 
@@ -370,6 +388,37 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 msg += f"It was making batch(es) {batches} of this epoch (indices {_short(idxs)}). "
             msgs.append(msg)
         self._fail("".join(msgs).strip())
+
+    def _check_hangs(self) -> None:
+        """The hang watchdog: a worker holding a batch whose progress counter
+        has not moved for hang_timeout seconds ends the epoch."""
+        if self._hang_timeout is None or self._pool is None:
+            return
+        now = time.monotonic()
+        for w in range(self._num_workers):
+            progress = self._ring.worker_progress(w)
+            seq = self._ring.worker_current_seq(w)
+            last = self._stall.get(w)
+            if seq is None or last is None or last[0] != progress:
+                self._stall[w] = (progress, now, False)
+                continue
+            stalled = now - last[1]
+            task = self._inflight.get(seq)
+            what = (f"batch {task.idx} of this epoch (indices {_short(_as_list(task.index))})"
+                    if task is not None else "its session set-up (unpickling the dataset, "
+                    "worker_init_fn)")
+            pid = self._pool.procs[w].pid
+            if stalled >= self._hang_timeout:
+                stack = self._pool.worker_stack(w)
+                msg = (f"DataLoader worker {w} (pid {pid}) made no progress for {stalled:.0f} s "
+                       f"on {what} (hang_timeout={self._hang_timeout}). Its Python stack:\n{stack}")
+                self._fatal = msg
+                self._shutdown_workers()
+                raise WorkerHangError(msg)
+            if stalled >= self._hang_timeout / 2 and not last[2]:
+                log.warning("fastload: worker %d (pid %s) has been on %s for %.0f s "
+                            "(hang_timeout=%s)", w, pid, what, stalled, self._hang_timeout)
+                self._stall[w] = (last[0], last[1], True)
 
     def _fail(self, msg: str) -> NoReturn:
         """A dead worker or a timeout ends the epoch: stop the workers and
@@ -552,3 +601,7 @@ def _short(items: Sequence[Any], limit: int = 8) -> str:
     shown = ", ".join(repr(i) for i in items[:limit])
     more = f", ... ({len(items)} in all)" if len(items) > limit else ""
     return f"[{shown}{more}]"
+
+
+def _as_list(index: Any) -> List[Any]:
+    return list(index) if isinstance(index, (list, tuple)) else [index]

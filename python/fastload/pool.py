@@ -24,8 +24,8 @@ import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import _core
-from ._ring import RingHandle
-from .worker import ACCELERATOR_ENV, OP_SESSION, _OVERFLOW_MSG, WorkerSpec, worker_main
+from ._ring import FdHandle, RingHandle
+from .worker import ACCELERATOR_ENV, OP_SESSION, STACK_SIGNAL, _OVERFLOW_MSG, WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")
 
@@ -81,7 +81,7 @@ def _sigint_ignored_in_children(active: bool) -> Iterator[None]:
 
 
 def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
-          socks: List[socket.socket], overflow_fds: Dict[int, int],
+          socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
           grace_s: float = 2.0) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit."""
     try:
@@ -121,6 +121,12 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
         except OSError:  # pragma: no cover
             pass
     overflow_fds.clear()
+    for fd in stack_fds:
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover
+            pass
+    stack_fds.clear()
     for s in socks:
         try:
             s.close()
@@ -156,12 +162,13 @@ class WorkerPool:
         self.num_workers = num_workers
         self.procs: List[multiprocessing.process.BaseProcess] = []
         self._socks: List[socket.socket] = []
+        self._stack_fds: List[int] = []  # one memfd per worker for its stack dump
         self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
         self._seq = 0
         # (seq, slot, worker) of tasks a previous iterator left in flight.
         self.orphans: List[Tuple[int, int, int]] = []
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
-                                           self._overflow_fds)
+                                           self._overflow_fds, self._stack_fds)
         handle = RingHandle(self.ring)
         # Only spawn execs a new interpreter from this environment; a
         # forkserver started inside the window would keep the hidden
@@ -173,6 +180,7 @@ class WorkerPool:
                 for i in range(num_workers):
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                     self._socks.append(mine)
+                    self._stack_fds.append(os.memfd_create(f"fastload-stack-{i}", os.MFD_CLOEXEC))
                     spec = WorkerSpec(
                         ring=handle,
                         sock=theirs,
@@ -180,6 +188,7 @@ class WorkerPool:
                         num_workers=num_workers,
                         parent_pid=os.getpid(),
                         hide_accelerators=hide_accelerators,
+                        stack_file=FdHandle(self._stack_fds[i]),
                     )
                     p = ctx.Process(
                         target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
@@ -242,6 +251,26 @@ class WorkerPool:
             return tasks
         finally:
             os.close(fd)
+
+    def worker_stack(self, worker: int, wait_s: float = 0.5) -> str:
+        """The worker's Python stack, dumped by faulthandler on request."""
+        fd = self._stack_fds[worker]
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)  # the offset is shared with the worker's dup
+        try:
+            os.kill(self.procs[worker].pid, STACK_SIGNAL)  # type: ignore[arg-type]
+        except ProcessLookupError:
+            return "(the worker is gone)"
+        deadline = time.monotonic() + wait_s
+        text = b""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            text = os.pread(fd, 1 << 20, 0)
+            if text.endswith(b"\n") and b"most recent call first" in text:
+                time.sleep(0.05)  # let the other threads' stacks follow
+                text = os.pread(fd, 1 << 20, 0)
+                break
+        return text.decode(errors="replace").rstrip() or "(no stack: the worker did not answer)"
 
     def dead_workers(self) -> List[Tuple[int, int, int]]:
         """(worker id, pid, exit code) of every worker that has exited."""

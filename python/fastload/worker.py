@@ -20,6 +20,7 @@ Tasks (pickled into the slot they belong to):
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
 import pickle
@@ -32,9 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._ring import RingHandle
+from ._ring import FdHandle, RingHandle
 
 ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+STACK_SIGNAL = signal.SIGUSR1  # the hang watchdog asks a worker for its stack with it
 OP_SESSION = 0
 OP_FETCH = 1
 _POLL_S = 0.5
@@ -51,6 +53,7 @@ class WorkerSpec:
     num_workers: int
     parent_pid: int
     hide_accelerators: bool
+    stack_file: FdHandle  # where the worker dumps its Python stack on STACK_SIGNAL
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -157,6 +160,7 @@ def worker_main(spec: WorkerSpec) -> None:
     # Ctrl-C goes to the whole process group; the main process handles it and
     # shuts the pool down. A worker dying of it would only blur the error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(STACK_SIGNAL, file=spec.stack_file.fd, all_threads=True)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
 
     import torch
