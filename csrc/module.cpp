@@ -170,6 +170,8 @@ PYBIND11_MODULE(_core, m) {
       .def("release", &Ring::release, py::arg("slot"))
       .def("shutdown", &Ring::shutdown)
       .def("is_shutdown", &Ring::is_shutdown)
+      .def("reset_worker", &Ring::reset_worker, py::arg("worker"))
+      .def("reclaim", &Ring::reclaim, py::arg("slot"))
       .def("worker_pid", &Ring::worker_pid, py::arg("worker"))
       .def("worker_progress", &Ring::worker_progress, py::arg("worker"))
       .def("worker_current_seq",

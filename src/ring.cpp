@@ -297,6 +297,26 @@ void Ring::shutdown() {
 
 bool Ring::is_shutdown() const { return load_acquire(hdr_->shutdown) != 0; }
 
+void Ring::reset_worker(uint32_t w) {
+  check_worker(w);
+  ShmWorker& q = worker(w);
+  // The worker is dead: nobody else touches its fields. Its head catches up
+  // with main's tail so a replacement sees an empty queue.
+  store_release(q.head, load_relaxed(q.tail));
+  store_release(q.sleeping, 0u);
+  store_release(q.pid, 0u);
+  store_release(q.current_seq, kNoSeq);
+}
+
+bool Ring::reclaim(uint32_t s) {
+  check_slot(s);
+  ShmSlot& sl = slot(s);
+  const uint32_t st = load_acquire(sl.state);
+  if (st != u32(SlotState::Assigned) && st != u32(SlotState::Writing)) return false;
+  store_release(sl.state, u32(SlotState::Free));
+  return true;
+}
+
 uint32_t Ring::worker_pid(uint32_t w) const {
   check_worker(w);
   return load_acquire(worker(w).pid);

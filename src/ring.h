@@ -156,6 +156,11 @@ class Ring {
   void release(uint32_t slot);  // READY/LEASED -> FREE, back on the free list
   void shutdown();
   bool is_shutdown() const;
+  // After a worker died: forget its queue so a replacement starts clean.
+  void reset_worker(uint32_t worker);
+  // ASSIGNED/WRITING (a dead worker's unfinished task) -> FREE, off any list:
+  // main assigns it again at once. False if the slot was in another state.
+  bool reclaim(uint32_t slot);
   uint32_t worker_pid(uint32_t worker) const;
   uint64_t worker_progress(uint32_t worker) const;
   uint64_t worker_current_seq(uint32_t worker) const;

@@ -341,3 +341,31 @@ def outcomes(loader: Any, max_steps: int = 100) -> List[tuple]:
 def shape_of(results: List[tuple]) -> List[Any]:
     """The comparable skeleton of ``outcomes()``: batches, and exception types."""
     return [r[1] for r in results]
+
+
+class FailOnceOn(Dataset):
+    """The first time any worker loads index ``bad``, it dies (``how='kill'``:
+    SIGKILL) or hangs (``how='hang'``: sleeps a minute). A marker file makes it
+    happen once across processes, so a restarted worker gets through."""
+
+    def __init__(self, n: int, bad: int, marker: str, how: str = "kill") -> None:
+        self.n = n
+        self.bad = bad
+        self.marker = marker
+        self.how = how
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad and _in_worker():
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.close(fd)
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+        return torch.full((3,), float(i))

@@ -71,6 +71,11 @@ class FastLoader(DataLoader[T_co]):
             before :class:`fastload.WorkerHangError` (with the worker's Python
             stack) ends the epoch; a warning is logged at half of it.
             ``None`` turns the watchdog off (default 300).
+        max_worker_restarts: how many times per iterator a worker that died
+            or hung is replaced by a new process, its unfinished batches made
+            again, so the epoch goes on with every index delivered once and in
+            order (default 0: the error, as DataLoader). Map-style datasets
+            only. Exceptions raised by ``dataset[i]`` are never retried.
 
     Differences from DataLoader, on purpose: workers are started with
     ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
@@ -104,6 +109,7 @@ class FastLoader(DataLoader[T_co]):
         held_batches: int = 4,
         reuse_workers: bool = True,
         hang_timeout: Optional[float] = 300.0,
+        max_worker_restarts: int = 0,
     ) -> None:
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
             raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
@@ -115,6 +121,10 @@ class FastLoader(DataLoader[T_co]):
                 f"hang_timeout option should be a positive number of seconds or None, "
                 f"but got {hang_timeout!r}"
             )
+        if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) \
+                or max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts option should be an int >= 0, "
+                             f"but got {max_worker_restarts!r}")
         if not isinstance(held_batches, int) or held_batches < 1:
             raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
         self.allow_gpu_in_workers = bool(allow_gpu_in_workers)
@@ -122,6 +132,7 @@ class FastLoader(DataLoader[T_co]):
         self.held_batches = held_batches
         self.reuse_workers = bool(reuse_workers)
         self.hang_timeout = hang_timeout
+        self.max_worker_restarts = max_worker_restarts
         self._learned_batch_bytes = 0
         self._idle_pool: Optional[WorkerPool] = None
         super().__init__(
@@ -197,13 +208,14 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._fatal: Optional[str] = None
         self._hang_timeout = loader.hang_timeout
+        self._restarts_left = loader.max_worker_restarts
         self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
         self._epoch = 0
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
         self._task_info: Dict[int, _Task] = {}
         self._session: Dict[int, Tuple[int, int]] = {}  # seq -> (slot, worker) of session tasks
 
-        blob = _pickling.dumps_by_value(
+        self._blob = blob = _pickling.dumps_by_value(
             (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
              self._auto_collation, self._drop_last),
             "dataset, collate_fn and worker_init_fn",
@@ -377,6 +389,10 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         dead = self._pool.dead_workers()
         if not dead:
             return
+        if self._can_restart(len(dead)):
+            for wid, pid, code in dead:
+                self._restart(wid, describe_exit(pid, code).strip())
+            return
         held = [t for t in self._inflight.values() if any(t.worker == d[0] for d in dead)]
         msgs = []
         for wid, pid, code in dead:
@@ -410,6 +426,12 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             pid = self._pool.procs[w].pid
             if stalled >= self._hang_timeout:
                 stack = self._pool.worker_stack(w)
+                if self._can_restart(1):
+                    log.warning("fastload: worker %d (pid %s) hung on %s; its stack:\n%s",
+                                w, pid, what, stack)
+                    self._restart(w, f"no progress for {stalled:.0f} s")
+                    self._stall.pop(w, None)
+                    continue
                 msg = (f"DataLoader worker {w} (pid {pid}) made no progress for {stalled:.0f} s "
                        f"on {what} (hang_timeout={self._hang_timeout}). Its Python stack:\n{stack}")
                 self._fatal = msg
@@ -419,6 +441,41 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 log.warning("fastload: worker %d (pid %s) has been on %s for %.0f s "
                             "(hang_timeout=%s)", w, pid, what, stalled, self._hang_timeout)
                 self._stall[w] = (last[0], last[1], True)
+
+    def _can_restart(self, n: int) -> bool:
+        return self._restarts_left >= n and self._dataset_kind == _DatasetKind.Map
+
+    def _restart(self, w: int, cause: str) -> None:
+        """Replace worker ``w`` and have it make its unfinished batches again.
+
+        Results it committed before dying stay valid (their slots are READY
+        with its stamp); the rest are reclaimed and re-sent, in batch order,
+        after the new worker's session task. Indices and batch numbers are
+        unchanged, so delivery stays exactly-once and in order.
+        """
+        assert self._pool is not None
+        self._restarts_left -= 1
+        ring = self._ring
+        log.warning("fastload: restarting worker %d (%s); %d restart(s) left", w, cause,
+                    self._restarts_left)
+        for seq, (slot, ww) in list(self._session.items()):
+            if ww == w and not ring.is_ready(slot, seq) and ring.reclaim(slot):
+                del self._session[seq]
+                ring.push_free_slot(slot)
+        seq_s, slot_s, _ = self._pool.restart_worker(w, self._blob, self._base_seed)
+        self._session[seq_s] = (slot_s, w)
+        redo = sorted((t for t in self._inflight.values() if t.worker == w), key=lambda t: t.idx)
+        for task in redo:
+            if ring.is_ready(task.slot, task.seq) or not ring.reclaim(task.slot):
+                continue
+            del self._inflight[task.seq]
+            if task.idx < 0:  # a previous iterator's orphan: nobody wants it
+                ring.push_free_slot(task.slot)
+                continue
+            task.seq = self._pool.next_seq()
+            self._inflight[task.seq] = task
+            ring.assign(task.slot, task.seq, w, pickle.dumps(
+                (OP_FETCH, self._epoch, task.idx, task.index), protocol=pickle.HIGHEST_PROTOCOL))
 
     def _fail(self, msg: str) -> NoReturn:
         """A dead worker or a timeout ends the epoch: stop the workers and

@@ -169,41 +169,79 @@ class WorkerPool:
         self.orphans: List[Tuple[int, int, int]] = []
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
                                            self._overflow_fds, self._stack_fds)
-        handle = RingHandle(self.ring)
-        # Only spawn execs a new interpreter from this environment; a
-        # forkserver started inside the window would keep the hidden
-        # environment for every later user of it, so there (and under fork)
-        # the worker's own first lines do the hiding.
-        spawn = ctx.get_start_method() == "spawn"
+        self._ctx = ctx
+        self._hide = hide_accelerators
+        self._handle = RingHandle(self.ring)
         try:
-            with _accelerators_hidden(hide_accelerators and spawn):
-                for i in range(num_workers):
-                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._socks.append(mine)
-                    self._stack_fds.append(os.memfd_create(f"fastload-stack-{i}", os.MFD_CLOEXEC))
-                    spec = WorkerSpec(
-                        ring=handle,
-                        sock=theirs,
-                        worker_id=i,
-                        num_workers=num_workers,
-                        parent_pid=os.getpid(),
-                        hide_accelerators=hide_accelerators,
-                        stack_file=FdHandle(self._stack_fds[i]),
-                    )
-                    p = ctx.Process(
-                        target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
-                    )
-                    try:
-                        with _sigint_ignored_in_children(spawn):
-                            p.start()
-                    finally:
-                        theirs.close()
-                    self.procs.append(p)
+            for i in range(num_workers):
+                self._start_worker(i)
         except BaseException:
             self.shutdown()
             raise
         log.debug("fastload: started %d workers (%s), ring %d x %d bytes (%s)", num_workers,
                   ctx.get_start_method(), num_slots, self.ring.slot_bytes, self.ring.backend)
+
+    def _start_worker(self, i: int) -> None:
+        """Start worker ``i`` (a new one, or the replacement of a dead one)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stack_fd = os.memfd_create(f"fastload-stack-{i}", os.MFD_CLOEXEC)
+        if i < len(self.procs):
+            self._socks[i].close()
+            os.close(self._stack_fds[i])
+            self._socks[i], self._stack_fds[i] = mine, stack_fd
+        else:
+            self._socks.append(mine)
+            self._stack_fds.append(stack_fd)
+        spec = WorkerSpec(
+            ring=self._handle,
+            sock=theirs,
+            worker_id=i,
+            num_workers=self.num_workers,
+            parent_pid=os.getpid(),
+            hide_accelerators=self._hide,
+            stack_file=FdHandle(stack_fd),
+        )
+        p = self._ctx.Process(
+            target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
+        )
+        # Only spawn execs a new interpreter from this environment; a
+        # forkserver started inside the window would keep the hidden
+        # environment for every later user of it, so there (and under fork)
+        # the worker's own first lines do the hiding.
+        spawn = self._ctx.get_start_method() == "spawn"
+        try:
+            with _accelerators_hidden(self._hide and spawn), _sigint_ignored_in_children(spawn):
+                p.start()
+        finally:
+            theirs.close()
+        if i < len(self.procs):
+            self.procs[i] = p
+        else:
+            self.procs.append(p)
+
+    def restart_worker(self, w: int, blob: bytes, base_seed: int) -> Tuple[int, int, int]:
+        """Replace dead (or hung: it is killed) worker ``w`` by a new process.
+
+        Overflow fds the dead worker sent before dying are kept. Returns the
+        new worker's session task (seq, slot, worker).
+        """
+        old = self.procs[w]
+        if old.exitcode is None:
+            old.kill()
+        old.join(5.0)
+        sock = self._socks[w]
+        sock.setblocking(False)
+        try:
+            while True:
+                msg, fds, _f, _a = socket.recv_fds(sock, _OVERFLOW_MSG.size, 1)
+                if not fds:
+                    break
+                self._overflow_fds[_OVERFLOW_MSG.unpack(msg)[0]] = fds[0]
+        except (BlockingIOError, InterruptedError):
+            pass
+        self.ring.reset_worker(w)
+        self._start_worker(w)
+        return self.start_session(blob, base_seed, workers=[w])[0]
 
     @property
     def pids(self) -> Tuple[int, ...]:
@@ -228,7 +266,8 @@ class WorkerPool:
         self._seq += 1
         return seq
 
-    def start_session(self, blob: bytes, base_seed: int) -> List[Tuple[int, int, int]]:
+    def start_session(self, blob: bytes, base_seed: int,
+                      workers: Optional[List[int]] = None) -> List[Tuple[int, int, int]]:
         """Send every worker the pickled dataset and its seeds; returns the
         (seq, slot, worker) of the session tasks, whose slots the caller frees
         when they complete."""
@@ -240,7 +279,7 @@ class WorkerPool:
                     mm[:] = blob
             tasks = []
             task = pickle.dumps((OP_SESSION, base_seed))
-            for w in range(self.num_workers):
+            for w in range(self.num_workers) if workers is None else workers:
                 slot = self.ring.pop_free_slot()
                 if slot is None:
                     raise AssertionError("fastload: no free slot for a session task")
