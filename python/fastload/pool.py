@@ -115,17 +115,12 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
                     p.join(1.0)
         except Exception:  # pragma: no cover
             pass
-    for fd in overflow_fds.values():
+    for fd in [*overflow_fds.values(), *stack_fds]:
         try:
             os.close(fd)
         except OSError:  # pragma: no cover
             pass
     overflow_fds.clear()
-    for fd in stack_fds:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover
-            pass
     stack_fds.clear()
     for s in socks:
         try:
