@@ -282,13 +282,13 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         """Free the slots of results nobody will take (their batches were skipped)."""
         for task in self._task_info.values():
             if task.done:
-                self._discard_result(task.seq, task.slot, task.worker)
+                self._discard_result(task)
         self._task_info = {}
 
     def _drain_inflight(self) -> None:
         while self._inflight:
             task = self._receive_one(deadline=None)
-            self._discard_result(task.seq, task.slot, task.worker)
+            self._discard_result(task)
 
     def _drain_orphans(self) -> None:
         """Wait out the batches a previous iterator of this pool left in flight."""
@@ -299,10 +299,11 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._pool.orphans = []
         self._drain_inflight()
 
-    def _discard_result(self, seq: int, slot: int, worker: int) -> None:
-        if self._ring.result(slot)[0] & FLAG_OVERFLOW and self._pool is not None:
-            os.close(self._pool.recv_overflow(worker, seq))
-        self._ring.release(slot)
+    def _discard_result(self, task: _Task) -> None:
+        """Free a done task's slot unread (and its overflow fd, if it has one)."""
+        if self._ring.result(task.slot)[0] & FLAG_OVERFLOW and self._pool is not None:
+            os.close(self._pool.recv_overflow(task.worker, task.seq))
+        self._ring.release(task.slot)
 
     # ---- sending -----------------------------------------------------------
     def _try_put_index(self) -> None:
@@ -484,9 +485,6 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._shutdown_workers()
         raise RuntimeError(msg)
 
-    def _release_result(self, task: _Task) -> None:
-        self._discard_result(task.seq, task.slot, task.worker)
-
     def _next_data(self) -> Any:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
@@ -516,7 +514,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             got = self._receive_one(deadline)
             self._tasks_outstanding -= 1
             if got.kind == KIND_EXHAUSTED:
-                self._release_result(got)
+                self._discard_result(got)
                 if self._task_info.get(got.idx) is got:
                     del self._task_info[got.idx]
                 if self._workers_status[got.worker]:
@@ -524,7 +522,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                     self._try_put_index()
                 continue
             if self._task_info.get(got.idx) is not got:
-                self._release_result(got)  # a task skipped above: nobody wants it
+                self._discard_result(got)  # a task skipped above: nobody wants it
                 continue
             if got.idx != self._rcvd_idx:
                 if not self._in_order:
@@ -616,14 +614,11 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             self._pool = None
             pool.shutdown()
             return
-        for task in self._task_info.values():
-            if task.done:  # while self._pool is set: an overflow fd is collected too
-                self._discard_result(task.seq, task.slot, task.worker)
+        self._release_unclaimed()  # while self._pool is set: overflow fds are collected too
         self._pool = None
         pool.orphans = [(t.seq, t.slot, t.worker) for t in self._inflight.values()]
         pool.orphans += [(seq, slot, w) for seq, (slot, w) in self._session.items()]
         self._inflight.clear()
-        self._task_info = {}
         self._session = {}
         loader._keep_idle_pool(pool)
 
