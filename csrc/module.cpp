@@ -22,15 +22,35 @@ namespace {
 // A writable byte range of the ring exposed through the buffer protocol.
 // It keeps the mapping alive (shared_ptr<Ring>); when it is a slot lease,
 // its destruction — i.e. the death of the last tensor or array viewing it —
-// hands the slot back to the workers.
+// hands the slot back to the workers, or to `on_release(slot)` when one was
+// given (pinned memory: the slot must wait for device copies still reading
+// it; that callback calls Ring.release later).
 class Region {
  public:
-  Region(std::shared_ptr<Ring> ring, char* ptr, size_t len, int64_t leased_slot)
-      : ring_(std::move(ring)), ptr_(ptr), len_(len), leased_slot_(leased_slot) {}
+  Region(std::shared_ptr<Ring> ring, char* ptr, size_t len, int64_t leased_slot,
+         py::object on_release = py::none())
+      : ring_(std::move(ring)),
+        ptr_(ptr),
+        len_(len),
+        leased_slot_(leased_slot),
+        on_release_(std::move(on_release)) {}
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
+  // Runs when the Python wrapper dies, so the GIL is held.
   ~Region() {
-    if (leased_slot_ >= 0) ring_->release(static_cast<uint32_t>(leased_slot_));
+    if (leased_slot_ < 0) return;
+    const auto slot = static_cast<uint32_t>(leased_slot_);
+    if (!on_release_.is_none()) {
+      try {
+        on_release_(slot);
+        return;
+      } catch (py::error_already_set& e) {
+        // A destructor cannot raise: report it, and free the slot here so
+        // it is not lost.
+        e.discard_as_unraisable("fastload: slot release callback");
+      }
+    }
+    ring_->release(slot);
   }
   char* ptr() const { return ptr_; }
   size_t size() const { return len_; }
@@ -42,6 +62,7 @@ class Region {
   char* ptr_;
   size_t len_;
   int64_t leased_slot_;
+  py::object on_release_;
 };
 
 int64_t ms_to_ns(double timeout_s) {
@@ -159,14 +180,18 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("slot"), "(kind, data_len, meta_offset, meta_len) of a READY slot.")
       .def("lease",
-           [](const std::shared_ptr<Ring>& r, uint32_t slot, size_t nbytes) {
+           [](const std::shared_ptr<Ring>& r, uint32_t slot, size_t nbytes,
+              py::object on_release) {
              if (nbytes > r->slot_bytes()) throw std::out_of_range("lease longer than a slot");
+             if (!on_release.is_none() && !PyCallable_Check(on_release.ptr()))
+               throw py::type_error("on_release must be callable or None");
              r->lease(slot);
              return std::make_shared<Region>(r, r->payload(slot), nbytes,
-                                             static_cast<int64_t>(slot));
+                                             static_cast<int64_t>(slot), std::move(on_release));
            },
-           py::arg("slot"), py::arg("nbytes"),
-           "READY -> LEASED; the slot is freed when the returned Region dies.")
+           py::arg("slot"), py::arg("nbytes"), py::arg("on_release") = py::none(),
+           "READY -> LEASED; when the returned Region dies the slot is freed, or\n"
+           "on_release(slot) is called instead (it must call release(slot) later).")
       .def("release", &Ring::release, py::arg("slot"))
       .def("shutdown", &Ring::shutdown)
       .def("is_shutdown", &Ring::is_shutdown)

@@ -25,9 +25,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
 from . import _core, _pickling
+from .device import CudaStreamOps, DevicePrefetcher, StreamOps, resolve_device
+from .pinning import DeviceRuntime, PinnedRing, cuda_runtime_or_none
 from .errors import WorkerHangError
 from .pool import WorkerPool, describe_exit, default_context
 from .worker import OP_FETCH
@@ -76,6 +78,11 @@ class FastLoader(DataLoader[T_co]):
             again, so the epoch goes on with every index delivered once and in
             order (default 0: the error, as DataLoader). Map-style datasets
             only. Exceptions raised by ``dataset[i]`` are never retried.
+        device: device prefetch (default None: off). With a CUDA/ROCm device
+            the loader copies each batch to it on a side stream one batch
+            ahead and yields device tensors, the current stream made to wait
+            for the copy; the ring is then pinned as with ``pin_memory=True``.
+            ``'cpu'`` yields the batches unchanged.
 
     Differences from DataLoader, on purpose: workers are started with
     ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
@@ -110,6 +117,7 @@ class FastLoader(DataLoader[T_co]):
         reuse_workers: bool = True,
         hang_timeout: Optional[float] = 300.0,
         max_worker_restarts: int = 0,
+        device: Optional[Any] = None,
     ) -> None:
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
             raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
@@ -133,6 +141,7 @@ class FastLoader(DataLoader[T_co]):
         self.reuse_workers = bool(reuse_workers)
         self.hang_timeout = hang_timeout
         self.max_worker_restarts = max_worker_restarts
+        self.device = resolve_device(device)
         self._learned_batch_bytes = 0
         self._idle_pool: Optional[WorkerPool] = None
         super().__init__(
@@ -157,9 +166,24 @@ class FastLoader(DataLoader[T_co]):
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
-            return super()._get_iterator()
+            ops = self._stream_ops()
+            if ops is None:
+                return super()._get_iterator()
+            return _SingleProcessIter(self, ops)
         self.check_worker_number_rationality()
         return _FastLoaderIter(self)
+
+    def _device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
+        """The runtime that can register the ring as pinned memory, if any."""
+        return cuda_runtime_or_none(device_type)
+
+    def _stream_ops(self) -> Optional[StreamOps]:
+        """Stream operations for device prefetch; None when there is nothing to do."""
+        if self.device is None or self.device.type == "cpu":
+            return None
+        if self.device.type == "cuda":
+            return CudaStreamOps(self.device)
+        return _BlockingOps(self.device)
 
     def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
         pool, self._idle_pool = self._idle_pool, None
@@ -214,6 +238,13 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
         self._task_info: Dict[int, _Task] = {}
         self._session: Dict[int, Tuple[int, int]] = {}  # seq -> (slot, worker) of session tasks
+        self._pinner: Optional[PinnedRing] = None
+        ops = loader._stream_ops()
+        self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
+        if ops is not None and loader.device is not None and loader.device.type == "cuda":
+            # Overlapping the copy needs pinned memory: pin the ring too.
+            self._pin_memory = True
+            self._pin_memory_device = "cuda"
 
         self._blob = blob = _pickling.dumps_by_value(
             (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
@@ -247,8 +278,14 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                               slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm)
         self._pool = pool
         self._ring = pool.ring
+        if self._pin_memory and pool.pinner is None:
+            runtime = loader._device_runtime(self._pin_memory_device)
+            if runtime is not None:
+                pool.pinner = PinnedRing(pool.ring, runtime)
+        self._pinner = pool.pinner if self._pin_memory else None
         try:
             self._drain_orphans()
+            self._make_free(self._num_workers)
             self._session = {seq: (slot, w) for seq, slot, w in
                              pool.start_session(blob, self._base_seed)}
         except BaseException:
@@ -259,6 +296,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
+        if self._prefetcher is not None:
+            self._prefetcher.reset()
         if self._fatal is not None:  # a persistent pool that lost a worker stays failed
             raise RuntimeError(self._fatal)
         if not first_iter:
@@ -325,7 +364,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        slot = self._ring.pop_free_slot()
+        slot = self._pop_free_slot()
         if slot is None:  # cannot happen: the ring has a slot per possible task + held ones
             raise AssertionError("fastload: no free slot for a new task")
         assert self._pool is not None
@@ -352,6 +391,21 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 self._tasks_outstanding -= 1
                 self._ring.push_free_slot(slot)
             raise
+
+    def _pop_free_slot(self) -> Optional[int]:
+        self._make_free(1)
+        return self._ring.pop_free_slot()
+
+    def _make_free(self, n: int) -> None:
+        """Have at least ``n`` free slots if slots held for device copies
+        (pinned memory) can give them: those whose copies are done first,
+        then waiting for the oldest."""
+        gate = self._pinner.gate if self._pinner is not None else None
+        if gate is None or not len(gate):
+            return
+        gate.collect()
+        while self._ring.free_slot_count() < n and gate.wait_one():
+            pass
 
     # ---- receiving ---------------------------------------------------------
     def _receive_one(self, deadline: Optional[float]) -> _Task:
@@ -463,6 +517,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             if ww == w and not ring.is_ready(slot, seq) and ring.reclaim(slot):
                 del self._session[seq]
                 ring.push_free_slot(slot)
+        self._make_free(1)
         seq_s, slot_s, _ = self._pool.restart_worker(w, self._blob, self._base_seed)
         self._session[seq_s] = (slot_s, w)
         redo = sorted((t for t in self._inflight.values() if t.worker == w), key=lambda t: t.idx)
@@ -486,6 +541,11 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         raise RuntimeError(msg)
 
     def _next_data(self) -> Any:
+        if self._prefetcher is not None:
+            return self._prefetcher.next(self._next_host_batch)
+        return self._next_host_batch()
+
+    def _next_host_batch(self) -> Any:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -540,9 +600,10 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         finally:
             self._try_put_index()
         if self._pin_memory:
-            # Until the ring itself is registered with the runtime, pin as
-            # DataLoader's pin thread does: a copy into page-locked memory.
-            data = pin_memory(data, self._pin_memory_device)
+            if self._pinner is not None:  # views of a registered slot stay as they are
+                data = self._pinner.pin(data)
+            else:  # no host-register call: copy as DataLoader's pin thread does
+                data = pin_memory(data, self._pin_memory_device)
         return data
 
     def _take(self, task: _Task) -> Any:
@@ -566,7 +627,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         if lease_len == 0:
             ring.release(task.slot)
             return read_batch(meta, [None, overflow])
-        lease = ring.lease(task.slot, lease_len)
+        lease = (self._pinner.lease(task.slot, lease_len) if self._pinner is not None
+                 else ring.lease(task.slot, lease_len))
         if meta is None:
             meta = memoryview(lease)[meta_off : meta_off + meta_len]
         if self._live_leases() <= self._held_batches:
@@ -589,6 +651,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
     def _live_leases(self) -> int:
         pipeline = (len(self._inflight) + len(self._session)
                     + sum(1 for t in self._task_info.values() if t.done))
+        if self._pinner is not None:  # released, waiting for their device copies
+            pipeline += len(self._pinner.gate)
         return self._ring.num_slots - self._ring.free_slot_count() - pipeline
 
     def _learn(self, batch_bytes: int) -> None:
@@ -657,3 +721,35 @@ def _short(items: Sequence[Any], limit: int = 8) -> str:
 
 def _as_list(index: Any) -> List[Any]:
     return list(index) if isinstance(index, (list, tuple)) else [index]
+
+
+class _SingleProcessIter(_SingleProcessDataLoaderIter):
+    """``num_workers=0`` with device prefetch: DataLoader's own iterator, one
+    batch copied ahead."""
+
+    def __init__(self, loader: FastLoader, ops: StreamOps) -> None:
+        self._prefetcher = DevicePrefetcher(ops)
+        super().__init__(loader)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._prefetcher.reset()
+
+    def _next_data(self) -> Any:
+        return self._prefetcher.next(super()._next_data)
+
+
+class _BlockingOps:
+    """Devices without CUDA-style streams (xpu, mps, ...): a plain ``.to()``;
+    correct, but the copy does not overlap the loop's work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def copy_to_device(self, fetch: Callable[[], Any]) -> Any:
+        from .device import move_to
+
+        return move_to(fetch(), lambda t: t.to(self.device))
+
+    def hand_over(self, data: Any) -> Any:
+        return data

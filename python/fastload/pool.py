@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _core
 from ._ring import FdHandle, RingHandle
@@ -162,6 +162,9 @@ class WorkerPool:
         self._seq = 0
         # (seq, slot, worker) of tasks a previous iterator left in flight.
         self.orphans: List[Tuple[int, int, int]] = []
+        # fastload.pinning.PinnedRing when batches are pinned in place; leases
+        # handed out keep it alive past the pool.
+        self.pinner: Optional[Any] = None
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
                                            self._overflow_fds, self._stack_fds)
         self._ctx = ctx
@@ -339,6 +342,7 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
+        self.pinner = None
         self._finalizer()
 
 
