@@ -407,13 +407,13 @@ def test_import_does_not_initialise_an_accelerator() -> None:
 def test_gpu_batches_are_pinned_in_place() -> None:
     loader = FastLoader(IndexedRows(n=64, width=4096), batch_size=4, num_workers=2,
                         pin_memory=True)
-    pool_pinner = None
     for batch in loader:
         assert batch.is_pinned()
-        it_pinner = loader._idle_pool.pinner if loader._idle_pool is not None else None
-        pool_pinner = pool_pinner or it_pinner
-    if pool_pinner is not None:  # registration worked: the batches were views
-        assert pool_pinner.failed is None and pool_pinner.registered_bytes() > 0
+    pinner = loader._idle_pool.pinner  # the warm pool kept after the epoch
+    if pinner.failed is None:  # registration worked: batches were views of the ring
+        assert pinner.registered_bytes() > 0
+    else:  # it failed (some ROCm versions): the batches were pinned copies
+        pytest.xfail(f"host registration failed here, copies were pinned: {pinner.failed}")
 
 
 @gpu
