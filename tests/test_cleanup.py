@@ -249,12 +249,13 @@ def test_held_batches_outlive_the_iterator(reuse):
 
 _SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     sys.path.insert(0, {tests_dir!r})
     import faulty_datasets as fd
     from fastload import FastLoader
 
-    loader = FastLoader({dataset}, batch_size=1, num_workers=2)
+    loader = FastLoader({dataset}, batch_size=1, num_workers=2,
+                        multiprocessing_context=os.environ.get("FL_TEST_CONTEXT") or None)
     it = iter(loader)
     print("PIDS", *it._pool.pids, flush=True)
     print("BACKEND", it._ring.backend, flush=True)
@@ -407,14 +408,18 @@ def test_keyboard_interrupt_while_workers_start(script):
 
 
 @pytest.mark.parametrize(
-    "segment, dataset",
-    [("memfd", BUSY), ("posix_shm", STUCK)],
-    ids=["memfd-busy-workers", "posix_shm-worker-stuck-in-getitem"],
+    "segment, dataset, context",
+    [("memfd", BUSY, ""), ("posix_shm", STUCK, ""), ("memfd", STUCK, "forkserver")],
+    ids=["memfd-busy-workers", "posix_shm-worker-stuck-in-getitem",
+         "forkserver-worker-stuck-in-getitem"],
 )
-def test_main_process_sigkilled(script, segment, dataset):
+def test_main_process_sigkilled(script, segment, dataset, context):
     env = dict(os.environ)
     if segment == "posix_shm":  # the fallback that has a name in /dev/shm
         env["FASTLOAD_SEGMENT"] = "shm"
+    # Under forkserver a worker's parent is the server, which outlives the
+    # main process: workers must watch the main process itself.
+    env["FL_TEST_CONTEXT"] = context
     s = script(dataset, env)
     s.start_loader()
     assert s.read_until("BACKEND") == [segment]
@@ -517,6 +522,15 @@ def test_fork_start_method(monkeypatch):
 
 def test_forkserver_start_method(forkserver_running, monkeypatch):
     _check_start_method("forkserver", monkeypatch)
+
+
+def test_forkserver_epoch_longer_than_the_parent_check(forkserver_running):
+    # A worker's parent is the forkserver, not this process: a worker that
+    # took that for the death of its main process quit after about a second.
+    ds = fd.Plain(40, delay=0.1)
+    loader = FastLoader(ds, batch_size=2, num_workers=NW, multiprocessing_context="forkserver")
+    got = [b.tolist() for b in loader]
+    assert got == [b.tolist() for b in DataLoader(ds, batch_size=2)]
 
 
 def _check_start_method(method, monkeypatch):

@@ -25,6 +25,7 @@ import mmap
 import os
 import pickle
 import random
+import select
 import signal
 import socket
 import struct
@@ -56,13 +57,42 @@ class WorkerSpec:
     stack_file: FdHandle  # where the worker dumps its Python stack on STACK_SIGNAL
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # Exits the worker when the main process is gone even while the loop is
-    # busy in dataset code (the loop checks too, between tasks).
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(0)
+class _MainWatch:
+    """Tells when the main process (not necessarily our parent: under
+    forkserver the parent is the server) has exited.
+
+    A pidfd, opened at start while the main process is waiting for us, turns
+    readable when it exits (a zombie included) and cannot be fooled by pid
+    reuse. Without pidfd_open (Linux < 5.3), a signal-0 probe.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd: Optional[int] = None
+        try:
+            self.fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pass
+
+    def gone(self, wait: Optional[float] = 0.0) -> bool:
+        if self.fd is not None:
+            return bool(select.select([self.fd], [], [], wait)[0])
+        if wait:
+            time.sleep(wait)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+    def exit_when_gone(self) -> None:
+        # Ends the worker when the main process is gone even while the loop
+        # is busy in dataset code (the loop checks too, between tasks).
+        while not self.gone(wait=None if self.fd is not None else 1.0):
+            pass
+        os._exit(0)
 
 
 def _describe_indices(index: Any, limit: int = 16) -> str:
@@ -161,7 +191,8 @@ def worker_main(spec: WorkerSpec) -> None:
     # shuts the pool down. A worker dying of it would only blur the error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(STACK_SIGNAL, file=spec.stack_file.fd, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    main_watch = _MainWatch(spec.parent_pid)
+    threading.Thread(target=main_watch.exit_when_gone, daemon=True).start()
 
     import torch
     from torch._utils import ExceptionWrapper
@@ -216,7 +247,7 @@ def worker_main(spec: WorkerSpec) -> None:
         while True:
             status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
             if status == WaitResult.TIMED_OUT:
-                if os.getppid() != spec.parent_pid:
+                if main_watch.gone():
                     break
                 continue
             if status == WaitResult.SHUTDOWN:
