@@ -12,13 +12,18 @@ import pytest
 
 
 def _children() -> List[psutil.Process]:
+    from multiprocessing import forkserver
+
     me = psutil.Process()
     out = []
+    # multiprocessing's resource tracker and its process-wide forkserver are
+    # shared helpers that live as long as this process. A pool's own zygote
+    # (also a forkserver) is not: it must end with its pool.
+    shared_forkserver = forkserver._forkserver._forkserver_pid
     for c in me.children(recursive=True):
         try:
-            # multiprocessing's resource tracker / forkserver are shared helpers, not workers.
             cmd = " ".join(c.cmdline())
-            if "resource_tracker" in cmd or "forkserver" in cmd:
+            if "resource_tracker" in cmd or c.pid == shared_forkserver:
                 continue
             if c.status() == psutil.STATUS_ZOMBIE:
                 continue
@@ -32,11 +37,23 @@ def _fds() -> set:
     return set(os.listdir("/proc/self/fd"))
 
 
+def _foreign(name: str) -> bool:
+    """A torch_<pid>_* entry of a live process outside this test process's
+    tree (another test run on the same machine)."""
+    try:
+        pid = int(name.split("_")[1])
+        p = psutil.Process(pid)
+        return pid != os.getpid() and os.getpid() not in {a.pid for a in p.parents()}
+    except (IndexError, ValueError, psutil.Error):
+        return False
+
+
 def _shm() -> set:
     try:
-        return {n for n in os.listdir("/dev/shm") if "fastload" in n or n.startswith("torch_")}
+        names = {n for n in os.listdir("/dev/shm") if "fastload" in n or n.startswith("torch_")}
     except FileNotFoundError:
         return set()
+    return {n for n in names if not (n.startswith("torch_") and _foreign(n))}
 
 
 def wait_no_children(timeout: float = 10.0) -> List[psutil.Process]:

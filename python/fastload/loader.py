@@ -84,11 +84,13 @@ class FastLoader(DataLoader[T_co]):
             for the copy; the ring is then pinned as with ``pin_memory=True``.
             ``'cpu'`` yields the batches unchanged.
 
-    Differences from DataLoader, on purpose: workers are started with
-    ``spawn`` when ``multiprocessing_context`` is None (DataLoader uses the
-    platform default, ``fork`` on Linux), and what plain pickle cannot
-    send to a spawned worker (``__main__`` classes, lambdas, closures) is sent
-    by value with cloudpickle.
+    Differences from DataLoader, on purpose: when ``multiprocessing_context``
+    is None (DataLoader uses the platform default, ``fork`` on Linux) workers
+    are forked from a zygote of the pool's own, a spawn-started process that
+    imported torch and nothing of the training process (see
+    :mod:`fastload.zygote`); ``'spawn'`` given explicitly is real spawn. What
+    plain pickle cannot send to a spawned worker (``__main__`` classes,
+    lambdas, closures) is sent by value with cloudpickle.
     """
 
     def __init__(

@@ -24,6 +24,7 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _core
+from .zygote import Zygote
 from ._ring import FdHandle, RingHandle
 from .worker import ACCELERATOR_ENV, OP_SESSION, STACK_SIGNAL, _OVERFLOW_MSG, WorkerSpec, worker_main
 
@@ -82,7 +83,7 @@ def _sigint_ignored_in_children(active: bool) -> Iterator[None]:
 
 def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
           socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          grace_s: float = 2.0) -> None:
+          zygote: Optional[Zygote], grace_s: float = 2.0) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit."""
     try:
         ring.shutdown()
@@ -115,6 +116,11 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
                     p.join(1.0)
         except Exception:  # pragma: no cover
             pass
+    if zygote is not None:  # after its workers: they hold its "alive" pipe
+        try:
+            zygote.stop()
+        except Exception:  # pragma: no cover
+            pass
     for fd in [*overflow_fds.values(), *stack_fds]:
         try:
             os.close(fd)
@@ -145,7 +151,7 @@ class WorkerPool:
     def __init__(
         self,
         *,
-        ctx: multiprocessing.context.BaseContext,
+        ctx: Any,
         num_workers: int,
         num_slots: int,
         slot_bytes: int,
@@ -165,9 +171,11 @@ class WorkerPool:
         # fastload.pinning.PinnedRing when batches are pinned in place; leases
         # handed out keep it alive past the pool.
         self.pinner: Optional[Any] = None
+        # The default: workers forked from this pool's own zygote.
+        self._zygote = Zygote() if ctx == ZYGOTE else None
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
-                                           self._overflow_fds, self._stack_fds)
-        self._ctx = ctx
+                                           self._overflow_fds, self._stack_fds, self._zygote)
+        self._ctx = self._zygote if self._zygote is not None else ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
         try:
@@ -177,7 +185,8 @@ class WorkerPool:
             self.shutdown()
             raise
         log.debug("fastload: started %d workers (%s), ring %d x %d bytes (%s)", num_workers,
-                  ctx.get_start_method(), num_slots, self.ring.slot_bytes, self.ring.backend)
+                  self._ctx.get_start_method(), num_slots, self.ring.slot_bytes,
+                  self.ring.backend)
 
     def _start_worker(self, i: int) -> None:
         """Start worker ``i`` (a new one, or the replacement of a dead one)."""
@@ -202,11 +211,12 @@ class WorkerPool:
         p = self._ctx.Process(
             target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
         )
-        # Only spawn execs a new interpreter from this environment; a
+        # Only spawn (and the zygote, itself spawned on the first start)
+        # execs a new interpreter from this environment; the process-wide
         # forkserver started inside the window would keep the hidden
         # environment for every later user of it, so there (and under fork)
         # the worker's own first lines do the hiding.
-        spawn = self._ctx.get_start_method() == "spawn"
+        spawn = self._ctx.get_start_method() in ("spawn", "zygote")
         try:
             with _accelerators_hidden(self._hide and spawn), _sigint_ignored_in_children(spawn):
                 p.start()
@@ -362,7 +372,12 @@ def describe_exit(pid: int, exitcode: int) -> str:
     )
 
 
-def default_context() -> multiprocessing.context.BaseContext:
-    return multiprocessing.get_context("spawn")
+# multiprocessing_context=None: each pool forks its workers from a zygote of
+# its own (fastload.zygote). An explicit 'spawn' is always real spawn.
+ZYGOTE = "fastload-zygote"
+
+
+def default_context() -> Any:
+    return ZYGOTE
 
 
