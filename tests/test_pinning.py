@@ -69,16 +69,20 @@ class FakeEvent:
 class FakeRuntime:
     """Registers ranges, records events on a FakeStream, pins by copying."""
 
-    def __init__(self, fail_register: bool = False, honest_events: bool = True) -> None:
+    def __init__(self, fail_register: bool = False, honest_events: bool = True,
+                 fail_after: Optional[int] = None) -> None:
         self.stream = FakeStream()
         self.registered: Dict[int, int] = {}
         self.log: List[Tuple[str, int, int]] = []
         self.fail_register = fail_register
         self.honest_events = honest_events
         self.copies = 0  # tensors pin() had to copy
+        self.kept: List[torch.Tensor] = []
+        self.fail_after = fail_after  # registrations that succeed before the rest fail
 
     def host_register(self, address: int, nbytes: int) -> Optional[str]:
-        if self.fail_register:
+        if self.fail_register or (self.fail_after is not None
+                                  and len(self.registered) >= self.fail_after):
             return "invalid argument (code 1)"
         for a, n in self.registered.items():
             assert address + nbytes <= a or a + n <= address, "overlapping registration"
@@ -104,7 +108,11 @@ class FakeRuntime:
             if self.is_registered(t):
                 return t
             self.copies += 1
-            return t.clone()
+            copy = t.clone()
+            # torch's pinned-memory allocator keeps a block until the copies
+            # queued from it are done; keeping them all is simpler.
+            self.kept.append(copy)
+            return copy
 
         return move_to(data, one)
 
@@ -260,6 +268,18 @@ def test_registration_failure_falls_back_to_copies(monkeypatch: pytest.MonkeyPat
     warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
     assert len(warnings) == 2  # once per loader (per ring), not per batch
     assert "copied into pinned memory" in warnings[0].getMessage()
+
+
+def test_slots_registered_before_a_failure_stay_gated(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    FakeAccelerator(monkeypatch)
+    runtime = FakeRuntime(fail_after=2)
+    ds = IndexedRows(n=400, width=1024)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        seen, errors = run_async_loop(pinned_loader(runtime, ds, batch_size=2), runtime, lag=3)
+    assert errors == [] and seen == list(range(400))
+    assert 0 < runtime.copies < 200  # some batches were views of the 2 registered slots
+    assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_registration_outlives_the_loader_while_batches_live(

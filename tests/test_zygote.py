@@ -112,3 +112,23 @@ def test_worker_dies_after_its_zygote():
                                            r"unexpectedly with exit code 255"):
         for _ in it:
             pass
+
+
+def test_zygote_starts_with_the_loader_and_ends_with_it_unused():
+    loader = FastLoader(fd.Plain(8), batch_size=2, num_workers=NW)
+    (zygote,) = loader._spare_zygote
+    assert zygote.pid is not None and fd.pid_alive(zygote.pid)
+    pid = zygote.pid
+    del loader, zygote
+    assert fd.wait_pids_gone([pid], timeout=10) == []  # never iterated: stopped with the loader
+
+
+def test_prestarted_zygote_is_the_first_pool_s():
+    loader = FastLoader(fd.Plain(8), batch_size=2, num_workers=NW)
+    pid = loader._spare_zygote[0].pid
+    it = iter(loader)
+    assert it._pool._zygote.pid == pid and loader._spare_zygote == []
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # No zygote for explicit start methods or num_workers=0.
+    assert FastLoader(fd.Plain(8), num_workers=NW, multiprocessing_context="spawn")._spare_zygote == []
+    assert FastLoader(fd.Plain(8))._spare_zygote == []

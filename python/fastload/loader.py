@@ -31,7 +31,8 @@ from . import _core, _pickling
 from .device import CudaStreamOps, DevicePrefetcher, StreamOps, resolve_device
 from .pinning import DeviceRuntime, PinnedRing, cuda_runtime_or_none
 from .errors import WorkerHangError
-from .pool import WorkerPool, describe_exit, default_context
+from .pool import ZYGOTE, WorkerPool, describe_exit, default_context, start_zygote
+from .zygote import Zygote
 from .worker import OP_FETCH
 from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, read_batch
 
@@ -146,6 +147,7 @@ class FastLoader(DataLoader[T_co]):
         self.device = resolve_device(device)
         self._learned_batch_bytes = 0
         self._idle_pool: Optional[WorkerPool] = None
+        self._spare_zygote: List[Zygote] = []
         super().__init__(
             dataset,
             batch_size,
@@ -165,6 +167,12 @@ class FastLoader(DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        if self.num_workers > 0 and self.multiprocessing_context is None:
+            # Start the zygote now: it imports torch while the script builds
+            # its model, so the first epoch's workers fork from a ready one.
+            # Whoever takes it (the first pool) owns it; else it ends with us.
+            self._spare_zygote.append(start_zygote(not self.allow_gpu_in_workers))
+            weakref.finalize(self, _stop_spare_zygotes, self._spare_zygote)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
@@ -187,6 +195,14 @@ class FastLoader(DataLoader[T_co]):
             return CudaStreamOps(self.device)
         return _BlockingOps(self.device)
 
+    def _take_spare_zygote(self, hide_accelerators: bool) -> Optional[Zygote]:
+        while self._spare_zygote:
+            zygote = self._spare_zygote.pop()
+            if zygote.hide_accelerators == hide_accelerators:
+                return zygote
+            zygote.stop()
+        return None
+
     def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
         pool, self._idle_pool = self._idle_pool, None
         if pool is None:
@@ -202,6 +218,11 @@ class FastLoader(DataLoader[T_co]):
             self._idle_pool = pool
         else:
             pool.shutdown()
+
+
+def _stop_spare_zygotes(spare: List[Zygote]) -> None:
+    while spare:
+        spare.pop().stop()
 
 
 class _Task:
@@ -276,8 +297,10 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         if not self._persistent_workers:
             pool = loader._take_idle_pool(config)
         if pool is None:
+            zygote = loader._take_spare_zygote(hide) if ctx == ZYGOTE else None
             pool = WorkerPool(ctx=ctx, num_workers=self._num_workers, num_slots=num_slots,
-                              slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm)
+                              slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm,
+                              zygote=zygote)
         self._pool = pool
         self._ring = pool.ring
         if self._pin_memory and pool.pinner is None:

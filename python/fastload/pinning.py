@@ -205,10 +205,13 @@ class PinnedRing:
         """Lease ``slot`` (READY) as a Region that is pinned if registration works."""
         if self.failed is None and nbytes > self._registered.get(slot, 0):
             self._register(slot, nbytes)
-        if self.failed is not None:
-            return self._ring.lease(slot, nbytes)  # copied into pinned memory by pin()
-        # The callback is a method of self: live views keep this object (and
-        # so the registration and the mapping) alive.
+        if nbytes > self._registered.get(slot, 0):
+            # Not pinned (registration failed): pin() copies it, and the slot
+            # is free as soon as its views die.
+            return self._ring.lease(slot, nbytes)
+        # Pinned views: the slot waits for their device copies (the gate),
+        # even after a later failure elsewhere. The callback is a method of
+        # self, so live views keep the registration and the mapping alive.
         return self._ring.lease(slot, nbytes, self._hold)
 
     def _hold(self, slot: int) -> None:

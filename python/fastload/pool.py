@@ -157,6 +157,7 @@ class WorkerPool:
         slot_bytes: int,
         hide_accelerators: bool,
         force_shm: bool = False,
+        zygote: Optional[Zygote] = None,
     ) -> None:
         self.config = (ctx, num_workers, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
@@ -171,8 +172,13 @@ class WorkerPool:
         # fastload.pinning.PinnedRing when batches are pinned in place; leases
         # handed out keep it alive past the pool.
         self.pinner: Optional[Any] = None
-        # The default: workers forked from this pool's own zygote.
-        self._zygote = Zygote() if ctx == ZYGOTE else None
+        # The default: workers forked from this pool's own zygote (one the
+        # loader started ahead, or a new one).
+        self._zygote: Optional[Zygote] = None
+        if ctx == ZYGOTE:
+            self._zygote = zygote if zygote is not None else Zygote(hide_accelerators)
+        elif zygote is not None:
+            zygote.stop()
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
                                            self._overflow_fds, self._stack_fds, self._zygote)
         self._ctx = self._zygote if self._zygote is not None else ctx
@@ -375,6 +381,14 @@ def describe_exit(pid: int, exitcode: int) -> str:
 # multiprocessing_context=None: each pool forks its workers from a zygote of
 # its own (fastload.zygote). An explicit 'spawn' is always real spawn.
 ZYGOTE = "fastload-zygote"
+
+
+def start_zygote(hide_accelerators: bool) -> Zygote:
+    """A zygote launched now, in the background (see Zygote.start)."""
+    zygote = Zygote(hide_accelerators)
+    with _accelerators_hidden(hide_accelerators), _sigint_ignored_in_children(True):
+        zygote.start()
+    return zygote
 
 
 def default_context() -> Any:

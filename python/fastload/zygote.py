@@ -111,9 +111,16 @@ class Zygote:
     for :class:`fastload.pool.WorkerPool`: ``Process(...)`` and
     ``get_start_method()``."""
 
-    def __init__(self, preload: Sequence[str] = ZYGOTE_PRELOAD) -> None:
+    def __init__(self, hide_accelerators: bool, preload: Sequence[str] = ZYGOTE_PRELOAD) -> None:
+        self.hide_accelerators = hide_accelerators  # how its environment was set at start
         self._server = forkserver.ForkServer()
         self._server.set_forkserver_preload(list(preload))
+
+    def start(self) -> None:
+        """Launch the zygote without waiting for it: it imports torch while
+        the caller goes on; the first fork request queues until it is ready.
+        The caller sets the environment it inherits (see pool.start_zygote)."""
+        self._server.ensure_running()
 
     def get_start_method(self) -> str:
         return "zygote"
