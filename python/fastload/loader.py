@@ -493,9 +493,12 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         now = time.monotonic()
         for w in range(self._num_workers):
             progress = self._ring.worker_progress(w)
-            seq = self._ring.worker_current_seq(w)
+            seq = self._in_hand(w)
             last = self._stall.get(w)
-            if seq is None or last is None or last[0] != progress:
+            if seq is None:  # no work for it: it cannot be late
+                self._stall.pop(w, None)
+                continue
+            if last is None or last[0] != progress:
                 self._stall[w] = (progress, now, False)
                 continue
             stalled = now - last[1]
@@ -506,6 +509,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             pid = self._pool.procs[w].pid
             if stalled >= self._hang_timeout:
                 stack = self._pool.worker_stack(w)
+                self._pool.procs[w].kill()  # no grace period for a hung worker
                 if self._can_restart(1):
                     log.warning("fastload: worker %d (pid %s) hung on %s; its stack:\n%s",
                                 w, pid, what, stack)
@@ -521,6 +525,20 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 log.warning("fastload: worker %d (pid %s) has been on %s for %.0f s "
                             "(hang_timeout=%s)", w, pid, what, stalled, self._hang_timeout)
                 self._stall[w] = (last[0], last[1], True)
+
+    def _in_hand(self, w: int) -> Optional[int]:
+        """The seq of the task worker ``w`` should be working on, if any.
+
+        The one it has popped; else, once it has attached, the oldest task
+        queued for it (its session first): a worker stopped or stuck between
+        two tasks holds up the epoch as surely as one stuck inside a task.
+        """
+        seq = self._ring.worker_current_seq(w)
+        if seq is not None or self._ring.worker_pid(w) == 0:
+            return seq
+        queued = [s for s, (_slot, ww) in self._session.items() if ww == w]
+        queued += [t.seq for t in self._inflight.values() if t.worker == w]
+        return min(queued) if queued else None
 
     def _can_restart(self, n: int) -> bool:
         return self._restarts_left >= n and self._dataset_kind == _DatasetKind.Map

@@ -253,6 +253,9 @@ class WorkerPool:
                 self._overflow_fds[_OVERFLOW_MSG.unpack(msg)[0]] = fds[0]
         except (BlockingIOError, InterruptedError):
             pass
+        except ConnectionResetError:
+            # It died with our session message unread: nothing of its to keep.
+            pass
         self.ring.reset_worker(w)
         self._start_worker(w)
         return self.start_session(blob, base_seed, workers=[w])[0]
@@ -310,8 +313,13 @@ class WorkerPool:
         fd = self._stack_fds[worker]
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)  # the offset is shared with the worker's dup
+        pid: int = self.procs[worker].pid  # type: ignore[assignment]
+        note = ""
         try:
-            os.kill(self.procs[worker].pid, STACK_SIGNAL)  # type: ignore[arg-type]
+            if _is_stopped(pid):  # SIGSTOP/SIGTSTP: it could not answer
+                os.kill(pid, signal.SIGCONT)
+                note = "(the worker was stopped by a signal; it was resumed to dump this)\n"
+            os.kill(pid, STACK_SIGNAL)
         except ProcessLookupError:
             return "(the worker is gone)"
         deadline = time.monotonic() + wait_s
@@ -323,7 +331,8 @@ class WorkerPool:
                 time.sleep(0.05)  # let the other threads' stacks follow
                 text = os.pread(fd, 1 << 20, 0)
                 break
-        return text.decode(errors="replace").rstrip() or "(no stack: the worker did not answer)"
+        stack = text.decode(errors="replace").rstrip() or "(no stack: the worker did not answer)"
+        return note + stack
 
     def dead_workers(self) -> List[Tuple[int, int, int]]:
         """(worker id, pid, exit code) of every worker that has exited."""
@@ -360,6 +369,14 @@ class WorkerPool:
         """Stop every worker (idempotent)."""
         self.pinner = None
         self._finalizer()
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def describe_exit(pid: int, exitcode: int) -> str:
