@@ -105,6 +105,7 @@ class _Stats:
         self.detect: Dict[str, List[float]] = defaultdict(list)
         self.slow_max_wait: List[float] = []
         self.failed: List[str] = []
+        self.not_injected: List[str] = []  # soak: epochs whose fault the harness missed
 
     def as_json(self) -> Dict[str, Any]:
         def summary(xs: List[float]) -> Dict[str, Any]:
@@ -126,6 +127,7 @@ class _Stats:
                               "'restarting worker' warning",
             "slow_longest_batch_wait_s": summary(self.slow_max_wait) if self.slow_max_wait else None,
             "failures": self.failed,
+            "not_injected": self.not_injected,
         }
 
 
@@ -624,6 +626,10 @@ class _Epoch:
         return AssertionError(f"{self.where}: {msg}")
 
 
+class NotInjected(AssertionError):
+    """The test could not inject its fault in this epoch."""
+
+
 def _check_ok_batches(ep: _Epoch, got: List[Outcome], ref: List[Outcome]) -> None:
     """Every "ok" outcome: DataLoader's batch at the same position, content checked."""
     for j, (g, r) in enumerate(zip(got, ref)):
@@ -721,7 +727,7 @@ def _check_slow_epoch(ep: _Epoch) -> None:
     f, inj = ep.fault, ep.inj
     assert f is not None
     if inj.t_inject is None:
-        raise ep.fail("the fault was never injected")
+        raise NotInjected(f"{ep.where}: the fault was never injected")
     _check_complete_epoch(ep)
     _check_no_restart(ep)
     if f.slow_how == "sleep":
@@ -741,7 +747,7 @@ def _check_restart_epoch(ep: _Epoch) -> None:
     f, inj = ep.fault, ep.inj
     assert f is not None
     if inj.t_inject is None:
-        raise ep.fail("the fault was never injected")
+        raise NotInjected(f"{ep.where}: the fault was never injected")
     _check_rescue(ep)
     _check_complete_epoch(ep)
     restarts = _restarts(ep.logs)
@@ -765,7 +771,7 @@ def _check_fatal_epoch(ep: _Epoch, it: Any) -> None:
     f, inj, got, ref = ep.fault, ep.inj, ep.got, ep.ref
     assert f is not None
     if inj.t_inject is None:
-        raise ep.fail("the fault was never injected")
+        raise NotInjected(f"{ep.where}: the fault was never injected")
     _check_rescue(ep)
     if not got or got[-1][0] != "err":
         raise ep.fail(f"the epoch ended without an error ({len(got)} batches, "
@@ -935,6 +941,12 @@ def _run_scenario(sc: Scenario, ctl: Path, failures: Dict[str, List[str]], soft:
                                 raise ep.fail(f"a later epoch: {exc}")
                         else:
                             raise ep.fail("a later epoch of the failed persistent loader starts")
+            except NotInjected as exc:
+                if not soft:
+                    raise
+                # The harness missed its moment (a stop "in_hand" needs the
+                # victim caught holding a task): not a fault of fastload's.
+                STATS.not_injected.append(str(exc)[:500])
             except AssertionError as exc:
                 if not soft:
                     raise
