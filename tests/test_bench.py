@@ -1,0 +1,94 @@
+"""``python -m fastload.bench`` on a tiny config: structure and the correctness
+column only, never speed (figures on a shared CI machine mean nothing)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from fastload.bench import main
+from fastload.bench.cli import _check
+from fastload.bench.checks import checksum, slice_sample
+from fastload.bench.measure import reference
+from fastload.bench.workloads import WORKLOADS
+
+
+class Noisy(Dataset):
+    """Content drawn from the worker's torch RNG: the reference must replay
+    DataLoader's worker seeding to match it."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        return {"v": torch.rand(3) + i, "k": 2 * i, "name": f"s{i % 7}"}
+
+
+def collate(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+    return {"v": torch.stack([s["v"] for s in samples]), "k": [s["k"] for s in samples],
+            "name": [s["name"] for s in samples]}
+
+
+def make_dataset() -> Dict[str, Any]:
+    """The ``--dataset test_bench:make_dataset`` callable."""
+    return {"dataset": Noisy(), "batch_size": 8, "collate_fn": collate}
+
+
+def test_bench_runs_and_checks_a_user_dataset(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    # One workload, one worker, one round: two runs, about 15 s (process starts).
+    rc = main(["--dataset", "test_bench:make_dataset", "--workers", "1",
+               "--rounds", "1", "--seconds", "0.3", "--warmup", "0.1", "--quick", "--json", str(out)])
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert rc == 0, printed
+    assert set(res["workloads"]) == {"test_bench:make_dataset"}
+    assert "correct" in printed and "machine:" in printed and "memcpy" in printed
+    assert res["limits"]["memcpy_bytes_per_s"] > 0
+    assert {"cpus", "torch", "python", "decoder", "kernel"} <= set(res["machine"])
+    for name, w in res["workloads"].items():
+        assert w["correct"] == {"fastload": "yes", "DataLoader": "yes"}, w["problems"]
+        assert w["checked_batches"]["epoch1"] == 2 and w["checked_batches"]["epoch2"] > 2
+        assert res["limits"]["raw_samples_per_s"][name] > 0
+        for kind in ("fastload", "DataLoader"):
+            (run,) = w["runs"][kind]
+            assert "error" not in run, run
+            assert run["epoch1"]["samples"] == w["epoch1_samples"] == 2 * w["batch_size"]
+            assert run["epoch1"]["order_error"] is None and run["epoch2"]["order_error"] is None
+            assert run["steady"]["batches"] > 0 and run["samples_per_s"] > 0
+            assert run["ttfb_cold_s"] > 0 and run["ttfb_warm_s"] > 0
+            assert run["peak_mem_mb"] > 0 and run["mem_kind"] in ("PSS", "RSS")
+        whats = [t["what"] for t in w["targets"]]
+        assert whats == ["samples/s", "cold 1st batch", "warm 1st batch", "peak memory"]
+    assert res["workloads"]["test_bench:make_dataset"]["batch_size"] == 8
+
+
+def test_checks_catch_wrong_deliveries():
+    w = WORKLOADS["tiny"]
+    ref = reference(w, "", 5, 2, 4, 16, 4)
+    good = {"base_seed_1": 5, "base_seed_2": 6,
+            "epoch1": {"samples": 16, "order_error": None, "checksums": list(ref)},
+            "epoch2": {"samples": 16, "order_error": None, "checksums": list(ref)}}
+    assert _check(good, 16, [5, 6], ref, ref) == []
+    swapped = json.loads(json.dumps(good))
+    swapped["epoch2"]["checksums"][1:3] = ref[2:0:-1]
+    assert _check(swapped, 16, [5, 6], ref, ref) == [
+        "epoch 2: batch 1 content differs from the in-process reference"]
+    short = json.loads(json.dumps(good))
+    short["epoch1"]["samples"] = 12
+    assert "epoch 1: 12 of 16 samples delivered" in _check(short, 16, [5, 6], ref, ref)
+
+
+def test_checksum_reads_content_and_slicing_agrees():
+    samples = [{"x": torch.rand(3, 40, 41), "h": torch.rand(5).half(), "b": torch.rand(4) > 0.5,
+                "c": torch.randn(2, dtype=torch.complex64), "i": i, "f": i / 3, "s": f"n{i}"} for i in range(5)]
+    full = checksum(default_collate(samples))
+    assert checksum(default_collate([slice_sample(s) for s in samples]), sliced=True) == full
+    samples[2]["x"][0, 0, 0] += 1  # an element the checksum reads
+    assert checksum(default_collate(samples)) != full
+    swapped = samples[:]
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    assert checksum(default_collate(swapped)) != checksum(default_collate(samples))
