@@ -4,7 +4,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -33,12 +36,14 @@ class Region {
         ptr_(ptr),
         len_(len),
         leased_slot_(leased_slot),
+        owner_pid_(::getpid()),
         on_release_(std::move(on_release)) {}
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
-  // Runs when the Python wrapper dies, so the GIL is held.
+  // Runs when the Python wrapper dies, so the GIL is held. Never throws:
+  // a failure is reported as an unraisable exception.
   ~Region() {
-    if (leased_slot_ < 0) return;
+    if (leased_slot_ < 0 || ::getpid() != owner_pid_) return;
     const auto slot = static_cast<uint32_t>(leased_slot_);
     if (!on_release_.is_none()) {
       try {
@@ -50,7 +55,13 @@ class Region {
         e.discard_as_unraisable("fastload: slot release callback");
       }
     }
-    ring_->release(slot);
+    try {
+      ring_->release(slot);
+    } catch (const std::exception& e) {
+      py::error_scope keep;  // an exception already in flight survives this report
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      PyErr_WriteUnraisable(nullptr);
+    }
   }
   char* ptr() const { return ptr_; }
   size_t size() const { return len_; }
@@ -62,6 +73,7 @@ class Region {
   char* ptr_;
   size_t len_;
   int64_t leased_slot_;
+  pid_t owner_pid_;
   py::object on_release_;
 };
 

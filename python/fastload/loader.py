@@ -252,6 +252,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._loader_ref = weakref.ref(loader)
         self._held_batches = loader.held_batches
         self._pool: Optional[WorkerPool] = None
+        self._owner_pid = os.getpid()
         self._shutdown = False
         self._fatal: Optional[str] = None
         self._hang_timeout = loader.hang_timeout
@@ -273,6 +274,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
              self._auto_collation, self._drop_last),
             "dataset, collate_fn and worker_init_fn",
+            names=("dataset", "collate_fn", "worker_init_fn"),
         )
         # A slot per possible task, one per worker for its session task, and
         # the batches the loop may hold.
@@ -669,19 +671,30 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._learn(lease_len + (len(overflow) if overflow is not None else 0))
         if lease_len == 0:
             ring.release(task.slot)
-            return read_batch(meta, [None, overflow])
+            return self._read(task, meta, [None, overflow])
         lease = (self._pinner.lease(task.slot, lease_len) if self._pinner is not None
                  else ring.lease(task.slot, lease_len))
         if meta is None:
             meta = memoryview(lease)[meta_off : meta_off + meta_len]
         if self._live_leases() <= self._held_batches:
-            return read_batch(meta, [lease, overflow])
+            return self._read(task, meta, [lease, overflow])
         # The loop keeps batches alive: copy this one out so workers keep
         # enough slots to fill (never a deadlock, never an overwrite).
         meta = bytes(meta)
         copy = torch.frombuffer(lease, dtype=torch.uint8)[:data_len].clone() if data_len else None
         del lease  # frees the slot now
-        return read_batch(meta, [copy, overflow])
+        return self._read(task, meta, [copy, overflow])
+
+    @staticmethod
+    def _read(task: _Task, meta: Any, buffers: List[Any]) -> Any:
+        """read_batch; an error (e.g. an object that cannot be unpickled
+        here) keeps its type and message and gets a note naming the batch."""
+        try:
+            return read_batch(meta, buffers)
+        except Exception as e:
+            e.add_note(f"fastload: raised while rebuilding batch {task.idx} (sample indices "
+                       f"{_short(_as_list(task.index))}) in the main process")
+            raise
 
     def _map_overflow(self, task: _Task) -> mmap.mmap:
         assert self._pool is not None
@@ -741,6 +754,10 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._inflight.clear()
 
     def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            # A forked child collecting its inherited copy: the pool, its
+            # slots and workers are the parent's (pool._stop closes our fds).
+            return
         try:
             if getattr(self, "_persistent_workers", True):
                 self._shutdown_workers()

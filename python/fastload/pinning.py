@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
@@ -200,6 +201,7 @@ class PinnedRing:
         self._registered: Dict[int, int] = {}  # slot -> registered bytes
         self.failed: Optional[str] = None  # set once registration has failed: copy instead
         self.gate = ReleaseGate(ring.release, runtime.new_event)
+        self._owner_pid = os.getpid()  # a forked copy must not touch the parent's slots
 
     def lease(self, slot: int, nbytes: int) -> Any:
         """Lease ``slot`` (READY) as a Region that is pinned if registration works."""
@@ -261,6 +263,8 @@ class PinnedRing:
         self._registered.clear()
 
     def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            return
         try:
             self.close()
         except Exception:  # pragma: no cover - interpreter teardown

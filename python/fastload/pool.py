@@ -83,8 +83,15 @@ def _sigint_ignored_in_children(active: bool) -> Iterator[None]:
 
 def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
           socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          zygote: Optional[Zygote], grace_s: float = 2.0) -> None:
-    """Stop workers and release our ends; idempotent; safe at interpreter exit."""
+          zygote: Optional[Zygote], owner_pid: int, grace_s: float = 2.0) -> None:
+    """Stop workers and release our ends; idempotent; safe at interpreter exit.
+
+    In a process forked from the owner (which inherited the pool object and
+    may collect it) only this process's copies of the fds are closed: the
+    ring, the workers and the zygote are the owner's."""
+    if os.getpid() != owner_pid:
+        _close_fds(socks, overflow_fds, stack_fds, ring)
+        return
     try:
         ring.shutdown()
     except Exception:  # pragma: no cover - never let clean-up raise
@@ -121,6 +128,11 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
             zygote.stop()
         except Exception:  # pragma: no cover
             pass
+    _close_fds(socks, overflow_fds, stack_fds, ring)
+
+
+def _close_fds(socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
+               ring: "_core.Ring") -> None:
     for fd in [*overflow_fds.values(), *stack_fds]:
         try:
             os.close(fd)
@@ -180,7 +192,8 @@ class WorkerPool:
         elif zygote is not None:
             zygote.stop()
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
-                                           self._overflow_fds, self._stack_fds, self._zygote)
+                                           self._overflow_fds, self._stack_fds, self._zygote,
+                                           os.getpid())
         self._ctx = self._zygote if self._zygote is not None else ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)

@@ -224,7 +224,10 @@ def worker_main(spec: WorkerSpec) -> None:
         if elem.is_nested or elem.layout != torch.strided or elem.device.type != "cpu":
             return torch_collate_tensor(batch, collate_fn_map=collate_fn_map)
         # Outside the batch's collate: plain memory, never torch's /dev/shm.
-        out = writer.alloc_tensor((len(batch), *elem.shape), elem.dtype)
+        shape = (len(batch), *elem.shape)
+        out = writer.alloc_tensor(shape, elem.dtype)
+        if out is None:  # bigger than the slot: plain memory, contiguous like DataLoader's
+            out = torch.empty(shape, dtype=elem.dtype)
         return torch.stack(batch, 0, out=out)
 
     collate.default_collate_fn_map[torch.Tensor] = collate_tensor_into_slot

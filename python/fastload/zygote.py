@@ -113,6 +113,7 @@ class Zygote:
 
     def __init__(self, hide_accelerators: bool, preload: Sequence[str] = ZYGOTE_PRELOAD) -> None:
         self.hide_accelerators = hide_accelerators  # how its environment was set at start
+        self._owner_pid = os.getpid()  # a forked copy of this object must not stop it
         self._server = forkserver.ForkServer()
         self._server.set_forkserver_preload(list(preload))
 
@@ -135,7 +136,10 @@ class Zygote:
         return self._server._forkserver_pid
 
     def stop(self) -> None:
-        """End the zygote (its workers must be gone already). Idempotent."""
+        """End the zygote (its workers must be gone already). Idempotent.
+        A no-op in a process forked from the owner (it inherited this object)."""
+        if os.getpid() != self._owner_pid:
+            return
         server = self._server
         with server._lock:
             pid = server._forkserver_pid
