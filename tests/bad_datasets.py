@@ -314,6 +314,6 @@ class Chatty(Dataset):
                 view = memoryview(blob)
                 while view:
                     view = view[os.write(fd, view):]
-            print(f"chatty-print-{i}", flush=True)
+            print(f"chatty-print-{i}", flush=True)  # one write(2) each: PYTHONUNBUFFERED or not
             print(f"chatty-stderr-{i}", file=sys.stderr, flush=True)
         return torch.full((64,), i, dtype=torch.int64)

@@ -472,17 +472,33 @@ def test_default_collate_of_channels_last_samples_bigger_than_a_slot():
 # 10. workers that write a lot to stdout / stderr
 
 
-def test_chatty_workers(capfd):
+def test_chatty_workers(tmp_path):
     """2 MB to stdout and to stderr per sample (4 MB per batch and stream):
-    no hang, every batch right, all of the output written."""
-    loader = FastLoader(bd.Chatty(8, 2 << 20), batch_size=2, num_workers=NW)
-    t0 = time.monotonic()
-    got = [b[:, 0].tolist() for b in loader]
-    took = time.monotonic() - t0
-    del loader
+    no hang, every batch right, all of the output written.
+
+    The workers' stdout and stderr are files opened with O_APPEND (as
+    ``>> log`` would), so that every write lands at the end whichever
+    process makes it; pytest's capture file is not, and two writers can
+    overwrite each other in it."""
+    paths = [tmp_path / "out.log", tmp_path / "err.log"]
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd, path in zip((1, 2), paths):
+            log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log, fd)
+            os.close(log)
+        loader = FastLoader(bd.Chatty(8, 2 << 20), batch_size=2, num_workers=NW)
+        t0 = time.monotonic()
+        got = [b[:, 0].tolist() for b in loader]
+        took = time.monotonic() - t0
+        del loader  # workers gone before the files are read
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
     assert got == [[i, i + 1] for i in range(0, 8, 2)]
     assert took < HANG_S + 5
-    out, err = capfd.readouterr()
+    out, err = (p.read_text() for p in paths)
     for i in range(8):
         assert f"chatty-print-{i}\n" in out
         assert f"chatty-stderr-{i}\n" in err
