@@ -15,6 +15,10 @@ from .workloads import BIG, WORKLOADS, Workload, cache_root, missing_needs, time
 
 FULL = {"rounds": 3, "seconds": 3.0, "warmup": 1.0, "raw_seconds": 2.0, "short_batches": 4}
 QUICK = {"rounds": 1, "seconds": 0.75, "warmup": 0.25, "raw_seconds": 0.4, "short_batches": 2}
+# --quick without --workloads: the two workloads that measure the loader
+# itself (each run starts fresh processes that import torch: ~10 s a run on a
+# slow 2-core machine, so all five would take over two minutes).
+QUICK_WORKLOADS = ("transport_u8", "tiny")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                         "a script builds its model in between; the cold 1st batch is then timed "
                         "from iter() (default 0: from construction)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
-    p.add_argument("--quick", action="store_true", help="one short round of each workload: about a minute")
+    p.add_argument("--quick", action="store_true", help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
+                        "about a minute")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="PNG bar chart of the ratios (needs matplotlib)")
@@ -126,7 +131,16 @@ def _check(res: Dict[str, Any], n_short: int, seeds: List[int], ref1: List[int],
 
 
 def _select(a: argparse.Namespace, out: TextIO) -> tuple:
-    names = a.workloads.split(",") if a.workloads else ([] if a.dataset else list(WORKLOADS))
+    if a.workloads:
+        names = a.workloads.split(",")
+    elif a.dataset:
+        names = []
+    elif a.quick:
+        names = list(QUICK_WORKLOADS)
+        print(f"--quick: {' and '.join(names)} only (loader overhead); without --quick all "
+              f"five workloads are measured, or choose with --workloads", file=out)
+    else:
+        names = list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
