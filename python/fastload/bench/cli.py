@@ -59,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                         "a script builds its model in between; the cold 1st batch is then timed "
                         "from iter() (default 0: from construction)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
-    p.add_argument("--quick", action="store_true", help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
+    p.add_argument("--quick", action="store_true",
+                   help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
                         "about a minute")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PATH", default=None,
