@@ -92,3 +92,20 @@ def test_checksum_reads_content_and_slicing_agrees():
     swapped = samples[:]
     swapped[0], swapped[1] = swapped[1], swapped[0]
     assert checksum(default_collate(swapped)) != checksum(default_collate(samples))
+
+
+def test_parallel_script_measures_one_and_two_processes():
+    """bench/parallel.py (the machine's bound quoted in the README) runs and
+    reports both rates; figures themselves are not checked."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "parallel.py"
+    out = subprocess.run([sys.executable, str(script), "--workloads", "tiny", "--rounds", "1",
+                          "--seconds", "0.2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"tiny: 1 process ([\d,]+) samples/s; 2 together ([\d,]+) samples/s", out.stdout)
+    assert m, out.stdout
+    assert all(int(g.replace(",", "")) > 0 for g in m.groups())
