@@ -314,6 +314,9 @@ class Chatty(Dataset):
                 view = memoryview(blob)
                 while view:
                     view = view[os.write(fd, view):]
-            print(f"chatty-print-{i}", flush=True)  # one write(2) each: PYTHONUNBUFFERED or not
-            print(f"chatty-stderr-{i}", file=sys.stderr, flush=True)
+            # The newline inside the text: print()'s own end="\n" is a second
+            # write(2) when stdio is unbuffered (PYTHONUNBUFFERED=1), and the
+            # other worker's writes can land between the two.
+            print(f"chatty-print-{i}\n", end="", flush=True)
+            print(f"chatty-stderr-{i}\n", end="", file=sys.stderr, flush=True)
         return torch.full((64,), i, dtype=torch.int64)

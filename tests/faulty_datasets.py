@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -313,12 +313,14 @@ def wait_pids_gone(pids: Any, timeout: float = 10.0) -> List[int]:
         time.sleep(0.05)
 
 
-def outcomes(loader: Any, max_steps: int = 100) -> List[tuple]:
+def outcomes(loader: Any, max_steps: int = 100,
+             describe: Optional[Callable[[BaseException], Any]] = None) -> List[tuple]:
     """Iterate ``loader`` like a training loop that survives errors.
 
-    Returns ``("ok", batch)`` / ``("err", type, message, args_types)`` per
-    ``next()`` call until StopIteration. Exceptions are not kept (their
-    tracebacks would keep the iterator alive).
+    Returns ``("ok", batch)`` / ``("err", type, message, detail)`` per
+    ``next()`` call until StopIteration; ``detail`` is ``describe(exc)``, by
+    default the types of the exception's args. Exceptions are not kept
+    (their tracebacks would keep the iterator alive).
     """
     out: List[tuple] = []
     it = iter(loader)
@@ -329,10 +331,12 @@ def outcomes(loader: Any, max_steps: int = 100) -> List[tuple]:
             except StopIteration:
                 return out
             except Exception as e:  # noqa: BLE001 - recorded for comparison
-                out.append(("err", type(e), str(e), tuple(type(a).__name__ for a in e.args)))
+                detail = describe(e) if describe else tuple(type(a).__name__ for a in e.args)
+                out.append(("err", type(e), str(e), detail))
                 del e
                 continue
             out.append(("ok", batch.tolist() if isinstance(batch, torch.Tensor) else batch))
+            del batch
         raise AssertionError(f"no StopIteration after {max_steps} steps: {out}")
     finally:
         del it

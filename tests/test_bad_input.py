@@ -58,29 +58,10 @@ def _exc_text(exc: BaseException) -> str:
 
 
 def run(loader: Any, max_steps: int = 50) -> List[tuple]:
-    """One epoch like a training loop that survives errors.
-
+    """One epoch like a training loop that survives errors:
     ``("ok", batch)`` or ``("err", type, str(exc), text with notes)`` per
-    ``next()``, until StopIteration. Exceptions are not kept (their
-    tracebacks would keep the iterator alive).
-    """
-    out: List[tuple] = []
-    it = iter(loader)
-    try:
-        for _ in range(max_steps):
-            try:
-                batch = next(it)
-            except StopIteration:
-                return out
-            except Exception as e:  # noqa: BLE001 - recorded for comparison
-                out.append(("err", type(e), str(e), _exc_text(e)))
-                del e
-                continue
-            out.append(("ok", batch.tolist() if isinstance(batch, torch.Tensor) else batch))
-            del batch
-        raise AssertionError(f"no StopIteration after {max_steps} steps: {out}")
-    finally:
-        del it
+    ``next()`` (``faulty_datasets.outcomes``)."""
+    return fd.outcomes(loader, max_steps, describe=_exc_text)
 
 
 def dl_run(loader: DataLoader, max_steps: int = 50) -> List[tuple]:
