@@ -9,55 +9,22 @@ It is the bound quoted in the README for ``tiny`` and ``jpeg``::
 
     python bench/parallel.py --workloads tiny,jpeg --procs 2 --rounds 3
 
-Each round runs 1 process, then N, each for ``--seconds`` after all have
-imported and warmed up; medians over the rounds are printed, with every run.
+Each round runs 1 process, then N (``fastload.bench.measure.parallel_rate``:
+each measures for ``--seconds`` as the benchmark's one-process limit does, all
+starting together once every process has imported torch); medians over the
+rounds are printed, with every run. ``python -m fastload.bench`` measures the
+same N-process figure in its own run (its "side by side" limit); this script
+repeats it alone, over several rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
-import time
-from typing import Any, List, Optional
+from typing import List, Optional
 
-
-def _work(name: str, seconds: float, results: Any, start: Any) -> None:
-    import torch
-    from torch.utils.data import default_collate
-
-    from fastload.bench.workloads import WORKLOADS, cache_root
-
-    torch.set_num_threads(1)
-    w = WORKLOADS[name]
-    if w.prepare is not None:
-        w.prepare(cache_root())
-    ds, collate = w.make(cache_root())
-    collate = collate or default_collate
-    bs = w.batch_size
-    collate([ds[i] for i in range(bs)])  # first touch: lazy opens, caches
-    start.wait()  # all processes warm, then all go
-    k, t = 0, time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        collate([ds[i] for i in range(k * bs, (k + 1) * bs)])
-        k += 1
-    results.put(k * bs / (time.perf_counter() - t))
-
-
-def aggregate_rate(name: str, procs: int, seconds: float) -> float:
-    """Samples/s summed over ``procs`` processes running at the same time."""
-    ctx = mp.get_context("spawn")
-    results, start = ctx.Queue(), ctx.Barrier(procs + 1)
-    ps = [ctx.Process(target=_work, args=(name, seconds, results, start)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    start.wait(timeout=120)
-    rates = [results.get(timeout=seconds + 120) for _ in ps]
-    for p in ps:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"{name}: a measuring process exited with {p.exitcode}")
-    return sum(rates)
+from fastload.bench.measure import parallel_rate
+from fastload.bench.workloads import WORKLOADS, cache_root
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -68,10 +35,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args(argv)
     for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        if w.prepare is not None:
+            w.prepare(cache_root())  # generate the data once, before the clock
         ones, many = [], []
         for _ in range(args.rounds):
-            ones.append(aggregate_rate(name, 1, args.seconds))
-            many.append(aggregate_rate(name, args.procs, args.seconds))
+            ones.append(parallel_rate(w, cache_root(), w.batch_size, args.seconds, 1))
+            many.append(parallel_rate(w, cache_root(), w.batch_size, args.seconds, args.procs))
         one, agg = statistics.median(ones), statistics.median(many)
         print(f"{name}: 1 process {one:,.0f} samples/s; {args.procs} together {agg:,.0f} samples/s "
               f"= {agg / one:.2f}x one (runs: {[round(x) for x in ones]}, {[round(x) for x in many]})",

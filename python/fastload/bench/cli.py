@@ -208,7 +208,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     machine = measure.machine_info()
     cache = cache_root()
     rounds = a.rounds
-    total = (len([w for w in chosen if w.prepare]) + (1 if a.quick else 2) * (1 + len(chosen))
+    per_limits = 1 + len(chosen) * (1 if a.quick or a.workers == 1 else 2)
+    total = (len([w for w in chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
              + 2 * rounds * len(chosen) + 1)
     prog = Progress(total, sys.stderr, enabled=a.json != "-")
 
@@ -223,18 +224,25 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
             step(f"{w.name}: data under {cache}", lambda w=w: timed_prepare(w, cache))
     bs_of = {w.name: a.batch_size or w.batch_size for w in chosen}
 
+    side_by_side = not a.quick and a.workers > 1
+
     def measure_limits(when: str) -> Dict[str, Any]:
         lim = {"memcpy_bytes_per_s": step(f"memcpy bandwidth ({when})", measure.memcpy_bandwidth),
-               "raw_samples_per_s": {}}
+               "raw_samples_per_s": {}, "side_by_side_samples_per_s": {}}
         for w in chosen:
             try:
                 lim["raw_samples_per_s"][w.name] = step(
                     f"{w.name}: one-process rate ({when})",
                     lambda w=w: measure.raw_rate(w, cache, bs_of[w.name], a.raw_seconds, a.seed))
+                if side_by_side:
+                    lim["side_by_side_samples_per_s"][w.name] = step(
+                        f"{w.name}: {a.workers} processes side by side ({when})",
+                        lambda w=w: measure.parallel_rate(w, cache, bs_of[w.name], a.raw_seconds,
+                                                          a.workers, a.seed))
             except Exception:
                 prog.close()
                 traceback.print_exc()
-                raise SystemExit(f"{w.name}: making a batch in this process failed (traceback above)")
+                raise SystemExit(f"{w.name}: making a batch without a loader failed (traceback above)")
         return lim
 
     # Limits are measured before and after the runs and the higher kept (once
@@ -263,8 +271,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
 
     limits_after = measure_limits("after") if not a.quick else limits_before
     limits = {"memcpy_bytes_per_s": max(limits_before["memcpy_bytes_per_s"], limits_after["memcpy_bytes_per_s"]),
-              "raw_samples_per_s": {n: max(v, limits_after["raw_samples_per_s"][n])
-                                    for n, v in limits_before["raw_samples_per_s"].items()},
+              **{k: {n: max(v, limits_after[k][n]) for n, v in limits_before[k].items()}
+                 for k in ("raw_samples_per_s", "side_by_side_samples_per_s")},
               "cores": machine["cpus_usable"], "before": limits_before, "after": limits_after,
               "consumer_us_per_batch": consumer_us}
     prog.start("reference checksums, in-process")

@@ -363,6 +363,60 @@ def raw_rate(w: Workload, cache: str, batch_size: int, seconds: float, seed: int
                 return done / el
 
 
+def _side_by_side(spec: Dict[str, Any], batch_size: int, cache: str, seconds: float, seed: int,
+                  ready: Any, go: Any, results: Any) -> None:
+    from .workloads import rebuild
+
+    w = rebuild(spec, batch_size)
+    ready.put(os.getpid())
+    go.wait()
+    results.put(raw_rate(w, cache, batch_size, seconds, seed))
+
+
+def parallel_rate(w: Workload, cache: str, batch_size: int, seconds: float, procs: int,
+                  seed: int = 0, timeout: float = 180.0) -> float:
+    """Samples/s summed over ``procs`` plain processes, no loader, each doing
+    :func:`raw_rate` at the same time (started together once all have
+    imported torch): what the machine allows ``procs`` workers. On a machine
+    whose cores slow each other down it is below ``procs`` x ``raw_rate``."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    spec = w.spec or {"name": w.name}
+    ps = [ctx.Process(target=_side_by_side, daemon=True,
+                      args=(spec, batch_size, cache, seconds, seed, ready, go, results))
+          for _ in range(procs)]
+    try:
+        for p in ps:
+            p.start()
+
+        def collect(q: Any, n: int, limit: float) -> List[Any]:
+            got: List[Any] = []
+            deadline = time.monotonic() + limit
+            while len(got) < n:
+                try:
+                    got.append(q.get(timeout=0.2))
+                except queue.Empty:
+                    dead = [p.exitcode for p in ps if p.exitcode not in (None, 0)]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(f"{w.name}: side-by-side rate: a measuring process "
+                                           f"{'exited with ' + str(dead[0]) if dead else 'timed out'}")
+            return got
+
+        collect(ready, procs, timeout)
+        go.set()
+        rates = collect(results, procs, seconds + timeout)
+    finally:
+        for p in ps:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return float(sum(rates))
+
+
 def consumer_cost(w: Workload, cache: str, batch_size: int, reps: int = 50) -> float:
     """Microseconds the run loop's own work (index check + checksum) takes on
     one batch of ``w``: what the benchmark adds to every batch of both loaders."""

@@ -97,6 +97,15 @@ def print_report(res: Dict[str, Any], out: TextIO) -> None:
       f"memcpy, one thread: "
       f"{lim['memcpy_bytes_per_s'] / 1e9:.2f} GB/s; one process, dataset[i] + collate, samples/s: "
       + ", ".join(f"{k} {v:,.0f}" for k, v in lim["raw_samples_per_s"].items()))
+    side = lim.get("side_by_side_samples_per_s") or {}
+    if side:
+        def share(name: str) -> str:
+            med = res["workloads"][name]["median"]
+            return ", ".join(f"{k} {100 * med[k]['samples_per_s'] / side[name]:.0f}%" for k in KINDS
+                             if med[k].get("samples_per_s") is not None)
+        p(f"{a['workers']} plain processes side by side, no loader (what {a['workers']} workers could "
+          "make at best here), samples/s: "
+          + "; ".join(f"{k} {v:,.0f} ({share(k)} of it)" for k, v in side.items()))
     p("the loop's own work per batch (index check + checksum, both loaders): "
       + ", ".join(f"{k} {v:,.0f} us" for k, v in lim.get("consumer_us_per_batch", {}).items()))
     mem_kind = next((r.get("mem_kind") for w in res["workloads"].values()
