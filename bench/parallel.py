@@ -4,8 +4,9 @@ torch thread, all started together, against one such process alone.
 
 The ``jpeg`` target of issue 3 assumes N workers can reach N x the one-process
 rate; on a VM whose cores slow each other down (shared caches, memory
-bandwidth, a noisy host) they cannot, and this script measures by how much.
-It is the bound quoted in the README for ``tiny`` and ``jpeg``::
+bandwidth, a noisy host) they cannot, and this script measures by how much,
+over several rounds (the README quotes the same figure from the benchmark's
+own run, where it is measured beside the loaders)::
 
     python bench/parallel.py --workloads tiny,jpeg --procs 2 --rounds 3
 

@@ -208,7 +208,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     machine = measure.machine_info()
     cache = cache_root()
     rounds = a.rounds
-    per_limits = 1 + len(chosen) * (1 if a.quick or a.workers == 1 else 2)
+    side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
+    per_limits = 1 + len(chosen) * (2 if side_by_side else 1)
     total = (len([w for w in chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
              + 2 * rounds * len(chosen) + 1)
     prog = Progress(total, sys.stderr, enabled=a.json != "-")
@@ -223,8 +224,6 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
         if w.prepare:
             step(f"{w.name}: data under {cache}", lambda w=w: timed_prepare(w, cache))
     bs_of = {w.name: a.batch_size or w.batch_size for w in chosen}
-
-    side_by_side = not a.quick and a.workers > 1
 
     def measure_limits(when: str) -> Dict[str, Any]:
         lim = {"memcpy_bytes_per_s": step(f"memcpy bandwidth ({when})", measure.memcpy_bandwidth),
