@@ -141,11 +141,14 @@ PYBIND11_MODULE(_core, m) {
            "All slot payloads as one writable buffer (slot k starts at k * slot_bytes).")
       // main process
       .def("pop_free_slot",
-           [](Ring& r) -> py::object {
+           [](Ring& r, bool highest) -> py::object {
              uint32_t s;
-             if (!r.pop_free_slot(&s)) return py::none();
+             if (!r.pop_free_slot(&s, highest)) return py::none();
              return py::int_(s);
-           })
+           },
+           py::arg("highest") = false,
+           "The lowest free slot (the highest with highest=True, for tasks that "
+           "write no batch), or None.")
       .def("free_slot_count", &Ring::free_slot_count)
       .def("push_free_slot", &Ring::push_free_slot, py::arg("slot"),
            "Put back a slot from pop_free_slot() that was never assigned.")

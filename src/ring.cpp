@@ -1,5 +1,6 @@
 #include "ring.h"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -41,8 +42,7 @@ Ring::Ring(Segment seg, bool owner)
       hdr_(reinterpret_cast<ShmHeader*>(base_)) {
   if (owner) {
     free_slots_.reserve(hdr_->num_slots);
-    // Handed out lowest first: pop_free_slot takes from the back.
-    for (uint32_t i = hdr_->num_slots; i-- > 0;) free_slots_.push_back(i);
+    for (uint32_t i = 0; i < hdr_->num_slots; ++i) free_slots_.push_back(i);
   }
 }
 
@@ -136,10 +136,18 @@ SlotState Ring::state(uint32_t s) const {
 
 // ---- main process ---------------------------------------------------------
 
-bool Ring::pop_free_slot(uint32_t* s) {
+bool Ring::pop_free_slot(uint32_t* s, bool highest) {
   std::lock_guard<std::mutex> g(free_mu_);
   if (free_slots_.empty()) return false;
-  *s = free_slots_.back();
+  // Batches take the lowest free slot, always: a slot's pages stay committed
+  // once a batch was written there, so batches keep to the fewest distinct
+  // slots the pipeline needs at once (a stack drifts over one more as frees
+  // and pops interleave). Tasks that write no batch (sessions) take the
+  // highest, out of the batches' way. num_slots entries, tens: a scan is cheap.
+  auto pick = highest ? std::max_element(free_slots_.begin(), free_slots_.end())
+                      : std::min_element(free_slots_.begin(), free_slots_.end());
+  *s = *pick;
+  *pick = free_slots_.back();
   free_slots_.pop_back();
   return true;
 }

@@ -138,8 +138,10 @@ class Ring {
   SlotState state(uint32_t slot) const;
 
   // ---- main process -------------------------------------------------------
-  // Takes a FREE slot off the process-local free list; false when none is.
-  bool pop_free_slot(uint32_t* slot);
+  // Takes a FREE slot off the process-local free list, the lowest (for
+  // batches) or the highest (`highest`: for tasks that write no batch);
+  // false when none is.
+  bool pop_free_slot(uint32_t* slot, bool highest = false);
   size_t free_slot_count() const;
   // Puts back a slot taken by pop_free_slot() and never assigned.
   void push_free_slot(uint32_t slot);

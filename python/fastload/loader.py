@@ -322,6 +322,11 @@ class _FastLoaderIter(_BaseDataLoaderIter):
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if not first_iter and self._fatal is None:
+            # Tasks the previous epoch still owed (the loop broke out): DataLoader
+            # had sent them, and its workers fetch them before the new epoch,
+            # which moves a persistent worker's RNG. Sent from the old sampler.
+            self._pay_refills()
         super()._reset(loader, first_iter)
         if self._prefetcher is not None:
             self._prefetcher.reset()
@@ -338,6 +343,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._rcvd_idx = 0
         self._task_info = {}
         self._tasks_outstanding = 0
+        self._refills_owed = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -593,6 +599,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
     def _next_host_batch(self) -> Any:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
+        self._pay_refills()  # before the end-of-epoch check below
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
             # Skip tasks of workers that ended (IterableDataset) with no result.
@@ -638,12 +645,29 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             self._rcvd_idx += 1
             return self._process_data(got)
 
+    def _pay_refills(self) -> None:
+        """Send the tasks :meth:`_process_data` deferred."""
+        while self._refills_owed:
+            self._refills_owed -= 1
+            self._try_put_index()
+
     def _process_data(self, task: _Task) -> Any:
         self._workers_num_tasks[task.worker] -= 1
         try:
             data = self._take(task)
         finally:
-            self._try_put_index()
+            if self._prefetch_factor > 1:
+                # The next task goes out when the loop next asks for a batch,
+                # not now: by then the loop has dropped the batch before this
+                # one, whose slot (the last freed, handed out first) takes
+                # the task. Sent now, the task would need one more slot than
+                # the pipeline holds, and a slot keeps its pages once
+                # written: a batch's worth of memory more. Each worker still
+                # has a queued task meanwhile; with prefetch_factor=1 it
+                # would idle, so the task goes out at once, as DataLoader's.
+                self._refills_owed += 1
+            else:
+                self._try_put_index()
         if self._pin_memory:
             if self._pinner is not None:  # views of a registered slot stay as they are
                 data = self._pinner.pin(data)

@@ -310,7 +310,7 @@ class WorkerPool:
             tasks = []
             task = pickle.dumps((OP_SESSION, base_seed))
             for w in range(self.num_workers) if workers is None else workers:
-                slot = self.ring.pop_free_slot()
+                slot = self.ring.pop_free_slot(highest=True)  # out of the batches' slots
                 if slot is None:
                     raise AssertionError("fastload: no free slot for a session task")
                 socket.send_fds(self._socks[w], [b"S"], [fd])
