@@ -51,6 +51,21 @@ def test_slot_cycle_and_lease_frees_on_last_view() -> None:
     assert ring.free_slot_count() == 2
 
 
+def test_free_slots_lowest_first_sessions_highest() -> None:
+    """Batches take the lowest free slot, whatever the order slots were freed
+    in; tasks that write no batch take the highest."""
+    ring = Ring.create(6, 1, 1 << 16)
+    assert [ring.pop_free_slot() for _ in range(3)] == [0, 1, 2]
+    assert ring.pop_free_slot(highest=True) == 5
+    for s in (2, 0, 1):
+        ring.push_free_slot(s)
+    assert ring.pop_free_slot() == 0
+    assert ring.pop_free_slot(highest=True) == 4
+    assert [ring.pop_free_slot() for _ in range(3)] == [1, 2, 3]
+    assert ring.pop_free_slot() is None
+    assert ring.pop_free_slot(highest=True) is None
+
+
 def test_stale_stamp_never_looks_ready() -> None:
     ring = Ring.create(1, 1, 1 << 16)
     slot = _roundtrip(ring)
