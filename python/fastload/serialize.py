@@ -6,7 +6,8 @@ A worker writes a batch into the payload of its slot as::
 
 ``meta`` is a pickle (protocol 5) of the batch in which every CPU tensor is
 replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
-extent)`` — naming bytes in the arena, and every out-of-band pickle buffer
+extent, requires_grad, k)``, dtype as a small int where it can be, k the
+tensor's number in the batch — naming bytes in the arena, and every out-of-band pickle buffer
 (numpy arrays and the like) is listed as ``(buffer, offset, length)``.
 ``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
 fit its slot. Tensors that the default collate stacked straight into the
@@ -41,6 +42,19 @@ FLAG_OVERFLOW = 0x10
 
 _NO_BUFFERS = b"\x00"
 _WITH_BUFFERS = b"\x01"
+
+# Tensor dtypes travel as their index in this tuple (a pickled torch.dtype is
+# a global that the pickler checks and the unpickler looks up, on every
+# batch); a dtype not listed travels as itself. Workers and the main process
+# import the same torch, so both build the same tuple.
+_DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64",
+    "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2",
+)
+_DTYPES: Tuple[torch.dtype, ...] = tuple(
+    getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype))
+_DTYPE_CODE: Dict[torch.dtype, int] = {d: i for i, d in enumerate(_DTYPES)}
 
 
 def _align(n: int) -> int:
@@ -180,7 +194,7 @@ class SlotWriter:
     def _describe(self, t: torch.Tensor) -> tuple:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        meta = (t.dtype, tuple(t.shape), t.stride())
+        meta = (_DTYPE_CODE.get(t.dtype, t.dtype), tuple(t.shape), t.stride())
         extent = _extent_bytes(t)
         if extent == 0:
             return (0, 0) + meta + (0, t.requires_grad)
@@ -206,8 +220,7 @@ class SlotWriter:
         # A small view of a big storage: copy just the view, compacted.
         buf, off = self._copy_in(t)
         stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
-        return (buf, off, t.dtype, tuple(t.shape), stride, t.numel() * t.element_size(),
-                t.requires_grad)
+        return (buf, off) + meta[:2] + (stride, t.numel() * t.element_size(), t.requires_grad)
 
     def _copy_in(self, t: torch.Tensor) -> Tuple[int, int]:
         """Copy ``t``'s elements, contiguously, to the slot or the overflow."""
@@ -313,8 +326,10 @@ class _BatchUnpickler(pickle.Unpickler):
             t = self._memo[pid[-1]] = self._build(*pid[:-1])
         return t
 
-    def _build(self, buf: int, off: int, dtype: torch.dtype, shape: tuple, stride: tuple,
+    def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
                extent: int, requires_grad: bool) -> torch.Tensor:
+        if type(dtype) is int:
+            dtype = _DTYPES[dtype]
         if extent == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
