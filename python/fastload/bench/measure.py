@@ -363,10 +363,44 @@ def raw_rate(w: Workload, cache: str, batch_size: int, seconds: float, seed: int
                 return done / el
 
 
+def _stack_into_ring(slots: int, slot_bytes: int = 16 << 20) -> None:
+    """Make this process's default_collate stack tensors into ``slots`` slots
+    of a memfd mapping in turn, as a fastload worker stacks into its ring (a
+    tensor bigger than a slot is stacked as usual). For measuring children
+    only: it changes torch's collate map for the rest of the process."""
+    import itertools
+    import mmap
+
+    from torch.utils.data._utils import collate as tc
+
+    fd = os.memfd_create("fastload-bench-ring", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, slots * slot_bytes)
+        mm = mmap.mmap(fd, slots * slot_bytes)
+    finally:
+        os.close(fd)
+    u8 = torch.frombuffer(mm, dtype=torch.uint8)
+    turn = itertools.count()
+    plain = tc.collate_tensor_fn
+
+    def stack_into_slot(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        elem = batch[0]
+        n = elem.element_size() * elem.numel() * len(batch)
+        if n > slot_bytes:
+            return plain(batch, collate_fn_map=collate_fn_map)
+        start = next(turn) % slots * slot_bytes
+        out = u8[start : start + n].view(elem.dtype).view((len(batch), *elem.shape))
+        return torch.stack(batch, 0, out=out)
+
+    tc.default_collate_fn_map[torch.Tensor] = stack_into_slot
+
+
 def _side_by_side(spec: Dict[str, Any], batch_size: int, cache: str, seconds: float, seed: int,
-                  ready: Any, go: Any, results: Any) -> None:
+                  ready: Any, go: Any, results: Any, into_ring: int = 0) -> None:
     from .workloads import rebuild
 
+    if into_ring:
+        _stack_into_ring(into_ring)
     w = rebuild(spec, batch_size)
     ready.put(os.getpid())
     go.wait()
@@ -374,11 +408,13 @@ def _side_by_side(spec: Dict[str, Any], batch_size: int, cache: str, seconds: fl
 
 
 def parallel_rate(w: Workload, cache: str, batch_size: int, seconds: float, procs: int,
-                  seed: int = 0, timeout: float = 180.0) -> float:
+                  seed: int = 0, timeout: float = 180.0, into_ring: int = 0) -> float:
     """Samples/s summed over ``procs`` plain processes, no loader, each doing
     :func:`raw_rate` at the same time (started together once all have
     imported torch): what the machine allows ``procs`` workers. On a machine
-    whose cores slow each other down it is below ``procs`` x ``raw_rate``."""
+    whose cores slow each other down it is below ``procs`` x ``raw_rate``.
+    ``into_ring=N``: each stacks its batches into N shared-memory slots in
+    turn, as a fastload worker does, instead of into fresh memory."""
     import multiprocessing as mp
     import queue
 
@@ -386,7 +422,7 @@ def parallel_rate(w: Workload, cache: str, batch_size: int, seconds: float, proc
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     spec = w.spec or {"name": w.name}
     ps = [ctx.Process(target=_side_by_side, daemon=True,
-                      args=(spec, batch_size, cache, seconds, seed, ready, go, results))
+                      args=(spec, batch_size, cache, seconds, seed, ready, go, results, into_ring))
           for _ in range(procs)]
     try:
         for p in ps:
