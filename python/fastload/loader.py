@@ -659,9 +659,9 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             if self._prefetch_factor > 1:
                 # The next task goes out when the loop next asks for a batch,
                 # not now: by then the loop has dropped the batch before this
-                # one, whose slot (the last freed, handed out first) takes
-                # the task. Sent now, the task would need one more slot than
-                # the pipeline holds, and a slot keeps its pages once
+                # one, and the task can take that batch's slot (batches take
+                # the lowest free slot). Sent now, it would need a slot more
+                # than the pipeline holds, and a slot keeps its pages once
                 # written: a batch's worth of memory more. Each worker still
                 # has a queued task meanwhile; with prefetch_factor=1 it
                 # would idle, so the task goes out at once, as DataLoader's.

@@ -7,8 +7,9 @@ A worker writes a batch into the payload of its slot as::
 ``meta`` is a pickle (protocol 5) of the batch in which every CPU tensor is
 replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
 extent, requires_grad, k)``, dtype as a small int where it can be, k the
-tensor's number in the batch — naming bytes in the arena, and every out-of-band pickle buffer
-(numpy arrays and the like) is listed as ``(buffer, offset, length)``.
+tensor's number in the batch — naming bytes in the arena, and every
+out-of-band pickle buffer (numpy arrays and the like) is listed as
+``(buffer, offset, length)``.
 ``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
 fit its slot. Tensors that the default collate stacked straight into the
 slot are described where they already lie: no copy. Anything else is copied
