@@ -16,7 +16,7 @@ import traceback
 from multiprocessing import resource_tracker
 
 import pytest
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from conftest import _children, wait_no_children
 from fastload import FastLoader
@@ -155,6 +155,41 @@ def test_collate_error_resumes_like_dataloader():
     assert "collate refuses batch with 5" in msg
     assert "in __call__" in msg and "faulty_datasets.py" in msg
     assert "[4, 5]" in msg
+
+
+class _BreakingSampler(Sampler):
+    """0, 1, ... n-1, but raises on reaching ``bad`` (in the main process)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.bad:
+                raise ValueError(f"sampler broke at {i}")
+            yield i
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 2])
+def test_sampler_error_arrives_with_the_same_batch(prefetch_factor):
+    """DataLoader draws the next index while handing out a batch, so a
+    sampler that raises loses that batch; fastload sends the task later
+    (prefetch_factor > 1) but draws the index at the same point."""
+
+    def run(cls):
+        got = []
+        with pytest.raises(ValueError, match="sampler broke at 7"):
+            for b in cls(fd.Plain(10), sampler=_BreakingSampler(10, 7), batch_size=1,
+                         num_workers=NW, prefetch_factor=prefetch_factor):
+                got.append(b.tolist())
+        return got
+
+    dl = run(DataLoader)
+    assert dl == [[i] for i in range(7 - NW * prefetch_factor)]
+    assert run(FastLoader) == dl
 
 
 def test_worker_init_fn_error_on_first_batch():

@@ -42,6 +42,7 @@ log = logging.getLogger("fastload")
 
 T_co = TypeVar("T_co", covariant=True)
 
+_NO_INDEX = object()  # _try_put_index: draw the next index from the sampler
 _POLL_S = 0.1  # how often a waiting main process checks worker liveness
 _MIN_SLOT_BYTES = 1 << 20
 _DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
@@ -325,7 +326,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         if not first_iter and self._fatal is None:
             # Tasks the previous epoch still owed (the loop broke out): DataLoader
             # had sent them, and its workers fetch them before the new epoch,
-            # which moves a persistent worker's RNG. Sent from the old sampler.
+            # which moves a persistent worker's RNG.
             self._pay_refills()
         super()._reset(loader, first_iter)
         if self._prefetcher is not None:
@@ -343,7 +344,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._rcvd_idx = 0
         self._task_info = {}
         self._tasks_outstanding = 0
-        self._refills_owed = 0
+        self._owed: List[Any] = []  # indices drawn for tasks not sent yet (_process_data)
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -378,14 +379,17 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._ring.release(task.slot)
 
     # ---- sending -----------------------------------------------------------
-    def _try_put_index(self) -> None:
+    def _try_put_index(self, index: Any = _NO_INDEX) -> None:
+        """DataLoader's: send the sampler's next index (or ``index``, drawn
+        earlier) to the next active worker."""
         max_tasks = self._prefetch_factor * self._num_workers
         if self._tasks_outstanding >= max_tasks:
             raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
-        try:
-            index = self._next_index()
-        except StopIteration:
-            return
+        if index is _NO_INDEX:
+            try:
+                index = self._next_index()
+            except StopIteration:
+                return
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_queue_idx = next(self._worker_queue_idx_cycle)
             if self._workers_status[worker_queue_idx]:
@@ -647,9 +651,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
 
     def _pay_refills(self) -> None:
         """Send the tasks :meth:`_process_data` deferred."""
-        while self._refills_owed:
-            self._refills_owed -= 1
-            self._try_put_index()
+        while self._owed:
+            self._try_put_index(self._owed.pop(0))
 
     def _process_data(self, task: _Task) -> Any:
         self._workers_num_tasks[task.worker] -= 1
@@ -665,7 +668,12 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 # written: a batch's worth of memory more. Each worker still
                 # has a queued task meanwhile; with prefetch_factor=1 it
                 # would idle, so the task goes out at once, as DataLoader's.
-                self._refills_owed += 1
+                # The index is drawn now, as DataLoader draws it: a sampler
+                # that raises does so with this batch, and this batch is lost.
+                try:
+                    self._owed.append(self._next_index())
+                except StopIteration:
+                    pass
             else:
                 self._try_put_index()
         if self._pin_memory:
