@@ -30,7 +30,7 @@ _SEARCH_DEPTH = 6  # how deep into attributes/containers the culprit is looked f
 _SEARCH_WIDTH = 256  # children looked at per object (a dataset may hold a list of millions)
 
 
-class _Pickler(cloudpickle.CloudPickler):
+class Pickler(cloudpickle.CloudPickler):
     """cloudpickle, except that open files fail as they do with plain pickle."""
 
     def reducer_override(self, obj: Any) -> Any:
@@ -43,7 +43,7 @@ class _Pickler(cloudpickle.CloudPickler):
 
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
-    _Pickler(buf, protocol=_PROTOCOL).dump(obj)
+    Pickler(buf, protocol=_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 
@@ -101,24 +101,27 @@ def dumps_by_value(obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> 
     try:
         return _dumps(obj)
     except Exception as e:  # pickling errors come as many types
-        culprits: List[str] = []
-        if isinstance(obj, tuple):
-            for name, item in zip(names, obj):
-                if name is not None:
-                    found = _culprit(item, name)
-                    if found is not None:
-                        culprits.append(found)
-        where = f" ({'; '.join(culprits)} cannot be pickled)" if culprits else ""
-        note = (
-            f"fastload: cannot send the {what} to worker processes{where}: "
-            f"{type(e).__name__}: {e}. Objects such as open files, locks, sockets or "
-            "generators cannot cross processes: open them lazily in the worker "
-            "(e.g. in __getitem__ or worker_init_fn) or drop them in __getstate__."
-        )
-        if hasattr(e, "add_note"):
-            e.add_note(note)
-            raise
-        raise type(e)(note) from e
+        explain(e, obj, what, names)
+        raise
+
+
+def explain(e: BaseException, obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> None:
+    """Add a note to the pickling error ``e``: which part of ``obj`` could not
+    be sent, and what to do about it."""
+    culprits: List[str] = []
+    if isinstance(obj, tuple):
+        for name, item in zip(names, obj):
+            if name is not None:
+                found = _culprit(item, name)
+                if found is not None:
+                    culprits.append(found)
+    where = f" ({'; '.join(culprits)} cannot be pickled)" if culprits else ""
+    e.add_note(
+        f"fastload: cannot send the {what} to worker processes{where}: "
+        f"{type(e).__name__}: {e}. Objects such as open files, locks, sockets or "
+        "generators cannot cross processes: open them lazily in the worker "
+        "(e.g. in __getitem__ or worker_init_fn) or drop them in __getstate__."
+    )
 
 
 def loads(data: bytes) -> Any:

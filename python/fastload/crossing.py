@@ -1,0 +1,204 @@
+"""Objects crossing to a worker process: pickled bytes plus the fds they need.
+
+A worker receives everything it needs this way: its start-up spec (the
+ring, its socket) and each session's ``(dataset, collate_fn,
+worker_init_fn, ...)``. The rules are DataLoader's sharing semantics:
+
+* What ``multiprocessing`` and ``torch.multiprocessing`` know how to share
+  stays shared: tensors and storages already in shared memory
+  (``share_memory_()``, torch's shared storages), ``multiprocessing``
+  ``Value``/``Array``/``Lock``/``Event``/``Queue``/connections and manager
+  proxies. Their reducers are the ones DataLoader's workers get theirs
+  through (``multiprocessing.reduction.ForkingPickler``'s table, which
+  torch extends); their file descriptors travel beside the bytes, with
+  ``SCM_RIGHTS`` or as inherited fds, and are handed back on unpickling.
+* Tensors *not* in shared memory are copied, as a forked DataLoader worker
+  sees a copy. (A spawned DataLoader worker would move them into
+  ``/dev/shm`` first; fastload does not, so a big tensor in a dataset never
+  meets a small ``/dev/shm``.)
+* What plain pickle cannot name (classes and functions of ``__main__``,
+  lambdas, closures) travels by value (cloudpickle), so workers never need
+  to import the training script.
+
+The reducers of ``multiprocessing`` objects only agree to pickle while a
+process is being started (``assert_spawning``): :func:`pack` presents
+itself as that start (``multiprocessing.context.set_spawning_popen``, the
+one private name used here, pinned by a test), collecting every fd the
+reducers hand over.
+
+Which process calls what: :func:`pack` in the main process, :func:`unpack`
+in the worker.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+import warnings
+from collections import ChainMap
+from dataclasses import dataclass, field
+from multiprocessing import context as mp_context
+from multiprocessing import reduction
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import _pickling
+
+__all__ = ["Parcel", "pack", "unpack", "ForkOnlyError"]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+class ForkOnlyError(RuntimeError):
+    """The object can reach another process only by being inherited through
+    ``fork`` (a ``multiprocessing`` lock or value made in the fork context,
+    the default on Linux)."""
+
+
+@dataclass
+class Parcel:
+    """Pickled bytes and the fds they refer to, owned by the parcel (dups)."""
+
+    data: bytes
+    fds: List[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the parcel's fds (idempotent)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
+                pass
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _FdCollector:
+    """Stands in for multiprocessing's Popen while :func:`pack` pickles:
+    ``reduction.DupFd(fd)`` asks it for a handle the child can detach."""
+
+    def __init__(self) -> None:
+        self.fds: List[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(os.dup(fd))
+        return len(self.fds) - 1
+
+    def DupFd(self, index: int) -> "PassedFd":  # noqa: N802 - multiprocessing's name
+        return PassedFd(index)
+
+
+class PassedFd:
+    """The receiving side of one collected fd (what ``DupFd(...).detach()``
+    returns in the child). Pickled by reference."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        receiving = getattr(_receiving, "fds", None)
+        if receiving is None:
+            raise RuntimeError("fastload: a passed fd was unpickled outside fastload.crossing.unpack")
+        fd = receiving[self.index]
+        if fd < 0:
+            raise RuntimeError(f"fastload: passed fd {self.index} was detached twice")
+        receiving[self.index] = -1  # the caller owns it now
+        return fd
+
+
+# The fds of the parcel being unpickled in this thread: what PassedFd.detach
+# hands out, as multiprocessing's forkserver children read their inherited fds
+# from a module-level list. Set only for the duration of one unpack().
+_receiving = threading.local()
+
+
+def _is_shared_cpu(obj: Any) -> bool:
+    try:
+        with warnings.catch_warnings():  # TypedStorage's deprecation warning
+            warnings.simplefilter("ignore")
+            return obj.device.type == "cpu" and bool(obj.is_shared())
+    except Exception:  # noqa: BLE001 - not a tensor/storage we know
+        return False
+
+
+def _share_if_shared(reduce: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """torch's reducer for tensors already in shared memory; a copy (its
+    plain pickle) for the rest."""
+
+    def reduce_tensor_or_storage(obj: Any) -> Any:
+        if _is_shared_cpu(obj):
+            return reduce(obj)
+        return obj.__reduce_ex__(_PROTOCOL)
+
+    return reduce_tensor_or_storage
+
+
+def _sharing_table() -> Dict[type, Callable[[Any], Any]]:
+    """ForkingPickler's reducers (multiprocessing's and torch's), with
+    torch's limited to what is already shared."""
+    import torch  # noqa: F401 - registers torch.multiprocessing's reducers
+
+    table = dict(reduction.ForkingPickler(io.BytesIO()).dispatch_table)
+    for cls, reduce in list(table.items()):
+        if getattr(reduce, "__module__", "").startswith("torch.multiprocessing"):
+            table[cls] = _share_if_shared(reduce)
+    return table
+
+
+class _SharingPickler(_pickling.Pickler):
+    """cloudpickle (by value where plain pickle cannot name), with the
+    sharing reducers above taking precedence over copying."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        # Made anew each time: modules register their reducers when imported
+        # (multiprocessing.heap's for Value/Array, say). Set before the base
+        # __init__: the C pickler reads its table there.
+        self.dispatch_table = ChainMap(_sharing_table(), _pickling.Pickler.dispatch_table)
+        super().__init__(file, protocol=_PROTOCOL)
+
+
+def pack(obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> Parcel:
+    """Pickle ``obj`` for a worker process (main process side).
+
+    Errors name ``what`` (and, for a tuple, which of its ``names`` cannot be
+    sent). Raises :class:`ForkOnlyError` when ``obj`` holds something only
+    ``fork`` can hand over.
+    """
+    collector = _FdCollector()
+    mp_context.set_spawning_popen(collector)
+    try:
+        buf = io.BytesIO()
+        try:
+            _SharingPickler(buf).dump(obj)
+        except RuntimeError as e:
+            if "fork context" in str(e):  # multiprocessing's SemLock.__getstate__
+                raise ForkOnlyError(str(e)) from e
+            _pickling.explain(e, obj, what, names)
+            raise
+        except Exception as e:  # pickling errors come as many types
+            _pickling.explain(e, obj, what, names)
+            raise
+        return Parcel(buf.getvalue(), collector.fds)
+    except BaseException:
+        for fd in collector.fds:
+            os.close(fd)
+        raise
+    finally:
+        mp_context.set_spawning_popen(None)
+
+
+def unpack(data: Any, fds: Sequence[int]) -> Any:
+    """Rebuild what :func:`pack` made (worker side), ``fds`` being the
+    parcel's fds as received here. fds nobody took are closed."""
+    receiving = list(fds)
+    _receiving.fds = receiving
+    try:
+        return pickle.loads(data)
+    finally:
+        _receiving.fds = None
+        for fd in receiving:
+            if fd >= 0:
+                os.close(fd)

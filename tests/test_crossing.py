@@ -1,0 +1,89 @@
+"""fastload.crossing: what shares, what copies, and the fds that travel.
+
+Round trips in one process (pack, then unpack with the parcel's own fds, as
+a worker would with the fds it received): shared objects come back sharing
+memory with the original, plain ones as copies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing import context as mp_context
+from multiprocessing import reduction
+
+import pytest
+import torch
+
+from fastload import crossing
+
+
+def _round_trip(obj):
+    parcel = crossing.pack(obj, "test object")
+    try:
+        fds = [os.dup(fd) for fd in parcel.fds]  # what SCM_RIGHTS would hand a worker
+        return crossing.unpack(parcel.data, fds), len(parcel.fds)
+    finally:
+        parcel.close()
+
+
+def test_shared_tensor_is_shared_plain_tensor_is_copied():
+    shared = torch.zeros(4).share_memory_()
+    plain = torch.zeros(4)
+    (s2, p2), nfds = _round_trip((shared, plain))
+    assert nfds == 1  # the shared storage's fd; the plain tensor travels as bytes
+    shared.add_(1)
+    plain.add_(1)
+    assert s2.tolist() == [1.0] * 4
+    assert p2.tolist() == [0.0] * 4
+    assert not plain.is_shared()  # not moved into shared memory on the way
+
+
+# multiprocessing's Value/Array/Lock/Queue cross end to end in tests/test_real_code.py
+# (a rebuilt heap arena keeps its fd for the life of the process that rebuilt it).
+
+
+def test_fork_context_objects_are_fork_only():
+    with pytest.raises(crossing.ForkOnlyError, match="fork context"):
+        crossing.pack(multiprocessing.get_context("fork").Lock(), "lock")
+
+
+def test_unpicklable_names_what():
+    import threading
+
+    with pytest.raises(TypeError) as info:
+        crossing.pack((threading.Lock(),), "dataset", names=("dataset",))
+    assert "cannot send the dataset" in "".join(info.value.__notes__)
+
+
+def test_unused_fds_are_closed_after_unpack():
+    parcel = crossing.pack(torch.zeros(2).share_memory_(), "tensor")
+    extra = os.dup(parcel.fds[0])
+    crossing.unpack(parcel.data, [os.dup(parcel.fds[0]), extra])  # one more than needed
+    with pytest.raises(OSError):
+        os.fstat(extra)
+    parcel.close()
+
+
+def test_private_multiprocessing_names_used_still_work():
+    """crossing presents itself as a process being started to multiprocessing's
+    reducers (they refuse to pickle otherwise) through
+    multiprocessing.context.set_spawning_popen, and reduction.DupFd asks that
+    object for the fd. Neither is public API: this pins both."""
+    calls = []
+
+    class Popen:
+        def duplicate_for_child(self, fd):
+            calls.append(fd)
+            return 42
+
+        def DupFd(self, index):  # noqa: N802
+            return ("handle", index)
+
+    mp_context.set_spawning_popen(Popen())
+    try:
+        assert mp_context.get_spawning_popen() is not None
+        assert reduction.DupFd(5) == ("handle", 42)
+    finally:
+        mp_context.set_spawning_popen(None)
+    assert calls == [5]
