@@ -142,7 +142,7 @@ def _train(loader, pids_out):
         if k == 0:
             # the workers (a pool's zygote, their parent, is checked by no_leaks)
             it_pids = [p.pid for p in _children()
-                       if not ("forkserver import main" in " ".join(p.cmdline())
+                       if not ("fastload zygote" in " ".join(p.cmdline())
                                and p.ppid() == os.getpid())]
             pids_out.extend(it_pids)
         if k == 2:

@@ -31,8 +31,7 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     assert zygote_pid is not None and zygote_pid != os.getpid()
     zygote = psutil.Process(zygote_pid)
     assert zygote.ppid() == os.getpid()
-    assert "multiprocessing.forkserver import main" in " ".join(zygote.cmdline())
-    assert "'torch', 'fastload.worker'" in " ".join(zygote.cmdline())  # what it preloads
+    assert "fastload zygote" in " ".join(zygote.cmdline())
     # Started with accelerators hidden; this process's environment untouched.
     assert zygote.environ()["CUDA_VISIBLE_DEVICES"] == ""
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"

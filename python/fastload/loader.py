@@ -27,12 +27,12 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from . import _core, _pickling
+from . import _core, crossing
 from .device import CudaStreamOps, DevicePrefetcher, StreamOps, resolve_device
 from .pinning import DeviceRuntime, PinnedRing, cuda_runtime_or_none
 from .errors import WorkerHangError
 from .pool import ZYGOTE, WorkerPool, describe_exit, default_context, start_zygote
-from .zygote import Zygote
+from .launch import Zygote
 from .worker import OP_FETCH
 from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, read_batch
 
@@ -214,7 +214,7 @@ class FastLoader(DataLoader[T_co]):
         return None
 
     def _keep_idle_pool(self, pool: WorkerPool) -> None:
-        if (self.reuse_workers and self._idle_pool is None and pool.alive
+        if (self.reuse_workers and self._idle_pool is None and pool.alive and pool.reusable
                 and pool.slots_accounted_for()):
             self._idle_pool = pool
         else:
@@ -271,12 +271,31 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             self._pin_memory = True
             self._pin_memory_device = "cuda"
 
-        self._blob = blob = _pickling.dumps_by_value(
-            (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
-             self._auto_collation, self._drop_last),
-            "dataset, collate_fn and worker_init_fn",
-            names=("dataset", "collate_fn", "worker_init_fn"),
-        )
+        ctx = loader.multiprocessing_context or default_context()
+        payload = (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
+                   self._auto_collation, self._drop_last)
+        inherited: Optional[tuple] = None
+        try:
+            self._blob: Optional[crossing.Parcel] = crossing.pack(
+                payload, "dataset, collate_fn and worker_init_fn",
+                names=("dataset", "collate_fn", "worker_init_fn"))
+        except crossing.ForkOnlyError as e:
+            if ctx != default_context():
+                e.add_note("fastload: create it from the loader's start method, e.g. "
+                           "multiprocessing.get_context('spawn').Value(...), or pass "
+                           "multiprocessing_context='fork'")
+                raise
+            # Only fork can hand it over, and DataLoader's default on Linux is
+            # fork: do what DataLoader does for this dataset, and say so.
+            if not loader.__dict__.get("_fastload_forks"):  # once per loader
+                loader.__dict__["_fastload_forks"] = True
+                log.warning("fastload: the dataset holds a multiprocessing object made in the "
+                            "fork context, which only fork can hand over: its workers are "
+                            "forked from this process, as DataLoader's are. Make it with "
+                            "multiprocessing.get_context('spawn') to keep workers apart "
+                            "from this process.")
+            ctx = multiprocessing.get_context("fork")
+            inherited, self._blob = payload, None
         # A slot per possible task, one per worker for its session task, and
         # the batches the loop may hold.
         num_slots = self._num_workers * (self._prefetch_factor + 1) + self._held_batches
@@ -293,17 +312,16 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             if learned > slot_bytes:
                 slot_bytes = -(-learned // (1 << 20)) << 20
         slot_bytes = max(int(slot_bytes), _MIN_SLOT_BYTES)
-        ctx = loader.multiprocessing_context or default_context()
         hide = not loader.allow_gpu_in_workers
         config = (ctx, self._num_workers, num_slots, slot_bytes, hide, force_shm)
         pool = None
-        if not self._persistent_workers:
+        if not self._persistent_workers and inherited is None:
             pool = loader._take_idle_pool(config)
         if pool is None:
             zygote = loader._take_spare_zygote(hide) if ctx == ZYGOTE else None
             pool = WorkerPool(ctx=ctx, num_workers=self._num_workers, num_slots=num_slots,
                               slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm,
-                              zygote=zygote)
+                              zygote=zygote, inherited=inherited)
         self._pool = pool
         self._ring = pool.ring
         if self._pin_memory and pool.pinner is None:
@@ -315,7 +333,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             self._drain_orphans()
             self._make_free(self._num_workers)
             self._session = {seq: (slot, w) for seq, slot, w in
-                             pool.start_session(blob, self._base_seed)}
+                             pool.start_session(self._blob, self._base_seed)}
         except BaseException:
             self._shutdown_workers()
             raise
@@ -489,7 +507,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         msgs = []
         for wid, pid, code in dead:
             mine = [t for t in held if t.worker == wid]
-            msg = describe_exit(pid, code)
+            msg = describe_exit(pid, code, self._pool.death_note(wid))
             if mine:
                 batches = ", ".join(str(t.idx) for t in mine)
                 idxs = [t.index for t in mine]

@@ -10,7 +10,6 @@ clean-up: a memfd disappears with the last process holding it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import multiprocessing
@@ -18,72 +17,45 @@ import os
 import pickle
 import signal
 import socket
-import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core
-from .zygote import Zygote
+from . import _core, crossing, launch
+from .launch import Zygote
 from ._ring import FdHandle, RingHandle
-from .worker import ACCELERATOR_ENV, OP_SESSION, STACK_SIGNAL, _OVERFLOW_MSG, WorkerSpec, worker_main
+from .worker import (ACCELERATOR_ENV, OP_SESSION, SESSION_HEAD, STACK_SIGNAL, _OVERFLOW_MSG,
+                     WorkerSpec, worker_main)
 
 log = logging.getLogger("fastload")
 
-_ENV_LOCK = threading.Lock()
+_WORKER_MAIN = "fastload.worker:worker_main"
 
 
-@contextlib.contextmanager
-def _accelerators_hidden(active: bool) -> Iterator[None]:
-    """Hide accelerators from processes started inside this block.
-
-    A spawned interpreter reads its environment before any of our code runs
-    (it may import the user's ``__main__``), so the variables are set in this
-    process for the duration of the starts and restored after. The worker sets
-    them again first thing, which covers fork and forkserver.
-    """
-    if not active:
-        yield
-        return
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in ACCELERATOR_ENV}
-        try:
-            for k in ACCELERATOR_ENV:
-                os.environ[k] = ""
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+def hidden_env(hide: bool) -> Dict[str, str]:
+    """The environment overlay that hides accelerators from a new interpreter
+    (it reads the variables before any of our code runs; forked workers set
+    them again first thing)."""
+    return {k: "" for k in ACCELERATOR_ENV} if hide else {}
 
 
-@contextlib.contextmanager
-def _sigint_ignored_in_children(active: bool) -> Iterator[None]:
-    """Start a spawned worker with SIGINT ignored from its first instruction.
-
-    Ctrl-C goes to the whole process group. Python installs its
-    KeyboardInterrupt handler at start-up only where SIGINT is not ignored,
-    so a worker started this way never dies half-imported with its own
-    traceback; the main process gets the KeyboardInterrupt and shuts it
-    down. (Only the main thread may change handlers; elsewhere the worker
-    ignores SIGINT once its loop starts.)
-    """
-    if (not active or threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is None):  # None: a handler not set from Python
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def launcher_of(ctx: Any) -> Optional[str]:
+    """'zygote' or 'spawn' when fastload starts the workers itself (they then
+    never run ``__main__``), None for a multiprocessing context that forks
+    from this process (workers inherit the dataset, as DataLoader's)."""
+    if ctx == ZYGOTE:
+        return "zygote"
+    method = ctx if isinstance(ctx, str) else ctx.get_start_method()
+    if method == "spawn":
+        return "spawn"
+    if method == "forkserver":  # a fork server that imports nothing of __main__
+        return "zygote"
+    return None
 
 
 def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
           socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          zygote: Optional[Zygote], owner_pid: int, grace_s: float = 2.0) -> None:
+          zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit.
 
     In a process forked from the owner (which inherited the pool object and
@@ -123,10 +95,15 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
                     p.join(1.0)
         except Exception:  # pragma: no cover
             pass
-    if zygote is not None:  # after its workers: they hold its "alive" pipe
+    for zygote in zygotes:  # after its workers
         try:
             zygote.stop()
         except Exception:  # pragma: no cover
+            pass
+    for p in procs:
+        try:
+            p.close()  # a launch.Child's fds; a multiprocessing.Process's sentinel
+        except Exception:  # noqa: BLE001 - still running after kill: leave it to the OS
             pass
     _close_fds(socks, overflow_fds, stack_fds, ring)
 
@@ -170,6 +147,7 @@ class WorkerPool:
         hide_accelerators: bool,
         force_shm: bool = False,
         zygote: Optional[Zygote] = None,
+        inherited: Optional[tuple] = None,
     ) -> None:
         self.config = (ctx, num_workers, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
@@ -186,15 +164,24 @@ class WorkerPool:
         self.pinner: Optional[Any] = None
         # The default: workers forked from this pool's own zygote (one the
         # loader started ahead, or a new one).
-        self._zygote: Optional[Zygote] = None
-        if ctx == ZYGOTE:
-            self._zygote = zygote if zygote is not None else Zygote(hide_accelerators)
+        self._launcher = launcher_of(ctx)
+        # The session objects themselves, for workers forked from this
+        # process (what only fork can hand over). Such a pool serves one
+        # session: a later one must see the objects as they are then.
+        self._inherited = inherited
+        if inherited is not None and self._launcher is not None:
+            raise ValueError("fastload: an inherited session needs workers forked from this process")
+        # Every zygote this pool used (a lost one is replaced when a worker
+        # must be restarted); the last is the current one.
+        self._zygotes: List[Zygote] = []
+        if self._launcher == "zygote":
+            self._zygotes.append(zygote if zygote is not None else start_zygote(hide_accelerators))
         elif zygote is not None:
             zygote.stop()
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
-                                           self._overflow_fds, self._stack_fds, self._zygote,
+                                           self._overflow_fds, self._stack_fds, self._zygotes,
                                            os.getpid())
-        self._ctx = self._zygote if self._zygote is not None else ctx
+        self._ctx = ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
         try:
@@ -204,7 +191,7 @@ class WorkerPool:
             self.shutdown()
             raise
         log.debug("fastload: started %d workers (%s), ring %d x %d bytes (%s)", num_workers,
-                  self._ctx.get_start_method(), num_slots, self.ring.slot_bytes,
+                  self._launcher or self._ctx.get_start_method(), num_slots, self.ring.slot_bytes,
                   self.ring.backend)
 
     def _start_worker(self, i: int) -> None:
@@ -226,19 +213,22 @@ class WorkerPool:
             parent_pid=os.getpid(),
             hide_accelerators=self._hide,
             stack_file=FdHandle(stack_fd),
+            session=self._inherited,
         )
-        p = self._ctx.Process(
-            target=worker_main, args=(spec,), name=f"fastload-worker-{i}", daemon=True
-        )
-        # Only spawn (and the zygote, itself spawned on the first start)
-        # execs a new interpreter from this environment; the process-wide
-        # forkserver started inside the window would keep the hidden
-        # environment for every later user of it, so there (and under fork)
-        # the worker's own first lines do the hiding.
-        spawn = self._ctx.get_start_method() in ("spawn", "zygote")
         try:
-            with _accelerators_hidden(self._hide and spawn), _sigint_ignored_in_children(spawn):
+            if self._launcher is None:  # fork: the spec is inherited, not pickled
+                p = self._ctx.Process(target=worker_main, args=(spec,),
+                                      name=f"fastload-worker-{i}", daemon=True)
                 p.start()
+            else:
+                parcel = crossing.pack(spec, "worker spec")
+                try:
+                    if self._launcher == "zygote":
+                        p = self._current_zygote().start(_WORKER_MAIN, parcel)
+                    else:
+                        p = launch.spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
+                finally:
+                    parcel.close()
         finally:
             theirs.close()
         if i < len(self.procs):
@@ -246,7 +236,21 @@ class WorkerPool:
         else:
             self.procs.append(p)
 
-    def restart_worker(self, w: int, blob: bytes, base_seed: int) -> Tuple[int, int, int]:
+    @property
+    def _zygote(self) -> Optional[Zygote]:
+        return self._zygotes[-1] if self._zygotes else None
+
+    def _current_zygote(self) -> Zygote:
+        """The zygote to fork from; a new one if the last was lost (the OOM
+        killer likes its size)."""
+        zygote = self._zygotes[-1]
+        if zygote.gone():
+            log.warning("fastload: the zygote the workers are forked from is gone; "
+                        "starting a new one")
+            self._zygotes.append(start_zygote(self._hide))
+        return self._zygotes[-1]
+
+    def restart_worker(self, w: int, parcel: Optional[crossing.Parcel], base_seed: int) -> Tuple[int, int, int]:
         """Replace dead (or hung: it is killed) worker ``w`` by a new process.
 
         Overflow fds the dead worker sent before dying are kept. Returns the
@@ -256,6 +260,10 @@ class WorkerPool:
         if old.exitcode is None:
             old.kill()
         old.join(5.0)
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - not gone after SIGKILL: leave it to the OS
+            pass
         sock = self._socks[w]
         sock.setblocking(False)
         try:
@@ -271,7 +279,7 @@ class WorkerPool:
             pass
         self.ring.reset_worker(w)
         self._start_worker(w)
-        return self.start_session(blob, base_seed, workers=[w])[0]
+        return self.start_session(parcel, base_seed, workers=[w])[0]
 
     @property
     def pids(self) -> Tuple[int, ...]:
@@ -296,30 +304,53 @@ class WorkerPool:
         self._seq += 1
         return seq
 
-    def start_session(self, blob: bytes, base_seed: int,
+    @property
+    def reusable(self) -> bool:
+        """Whether a later iterator may start a session on this pool."""
+        return self._inherited is None
+
+    def start_session(self, parcel: Optional[crossing.Parcel], base_seed: int,
                       workers: Optional[List[int]] = None) -> List[Tuple[int, int, int]]:
-        """Send every worker the pickled dataset and its seeds; returns the
-        (seq, slot, worker) of the session tasks, whose slots the caller frees
-        when they complete."""
+        """Send every worker the pickled dataset (with the fds of what it
+        shares) and its seeds; returns the (seq, slot, worker) of the session
+        tasks, whose slots the caller frees when they complete. ``parcel`` is
+        None for a pool whose workers inherited the session."""
+        if parcel is None:
+            assert self._inherited is not None
+            task = pickle.dumps((OP_SESSION, base_seed, True))
+            tasks = []
+            for w in range(self.num_workers) if workers is None else workers:
+                slot = self.ring.pop_free_slot(highest=True)
+                if slot is None:
+                    raise AssertionError("fastload: no free slot for a session task")
+                seq = self.next_seq()
+                self.ring.assign(slot, seq, w, task)
+                tasks.append((seq, slot, w))
+            return tasks
         fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, len(blob))
-            if blob:
-                with mmap.mmap(fd, len(blob)) as mm:
-                    mm[:] = blob
+            os.ftruncate(fd, len(parcel.data))
+            if parcel.data:
+                with mmap.mmap(fd, len(parcel.data)) as mm:
+                    mm[:] = parcel.data
             tasks = []
             task = pickle.dumps((OP_SESSION, base_seed))
             for w in range(self.num_workers) if workers is None else workers:
                 slot = self.ring.pop_free_slot(highest=True)  # out of the batches' slots
                 if slot is None:
                     raise AssertionError("fastload: no free slot for a session task")
-                socket.send_fds(self._socks[w], [b"S"], [fd])
+                send_session(self._socks[w], [fd, *parcel.fds])
                 seq = self.next_seq()
                 self.ring.assign(slot, seq, w, task)
                 tasks.append((seq, slot, w))
             return tasks
         finally:
             os.close(fd)
+
+    def death_note(self, worker: int) -> str:
+        """What worker ``worker`` wrote before dying at start-up, if anything."""
+        note = getattr(self.procs[worker], "death_note", "")
+        return note if isinstance(note, str) else ""
 
     def worker_stack(self, worker: int, wait_s: float = 0.5) -> str:
         """The worker's Python stack, dumped by faulthandler on request."""
@@ -392,8 +423,9 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def describe_exit(pid: int, exitcode: int) -> str:
-    """DataLoader's wording for a worker that died."""
+def describe_exit(pid: int, exitcode: int, note: str = "") -> str:
+    """DataLoader's wording for a worker that died; with the worker's own
+    last words when it left some (an error at start-up)."""
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -401,6 +433,9 @@ def describe_exit(pid: int, exitcode: int) -> str:
         except ValueError:
             desc = f"signal {-exitcode}"
         return f"DataLoader worker (pid {pid}) is killed by signal: {desc}. "
+    if note:
+        return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+                f"It failed with:\n{note}\n")
     return (
         f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
         "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
@@ -408,17 +443,23 @@ def describe_exit(pid: int, exitcode: int) -> str:
     )
 
 
+def send_session(sock: socket.socket, fds: List[int]) -> None:
+    """The session's fds (the blob's memfd first), in messages of at most
+    SCM_RIGHTS' limit; the worker reassembles them (worker.recv_session)."""
+    step = 250
+    for k in range(0, len(fds), step):
+        head = SESSION_HEAD.pack(b"S", len(fds)) if k == 0 else b"F"
+        socket.send_fds(sock, [head], fds[k:k + step])
+
+
 # multiprocessing_context=None: each pool forks its workers from a zygote of
-# its own (fastload.zygote). An explicit 'spawn' is always real spawn.
+# its own (fastload.launch.Zygote). An explicit 'spawn' is always real spawn.
 ZYGOTE = "fastload-zygote"
 
 
 def start_zygote(hide_accelerators: bool) -> Zygote:
-    """A zygote launched now, in the background (see Zygote.start)."""
-    zygote = Zygote(hide_accelerators)
-    with _accelerators_hidden(hide_accelerators), _sigint_ignored_in_children(True):
-        zygote.start()
-    return zygote
+    """A zygote launched now, in the background (see launch.Zygote)."""
+    return Zygote(hide_accelerators, env=hidden_env(hide_accelerators))
 
 
 def default_context() -> Any:

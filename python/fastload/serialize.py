@@ -313,6 +313,29 @@ class _BatchPickler(pickle.Pickler):
             return self._writer.tensor_id(obj)
         return None
 
+    def reducer_override(self, obj: Any) -> Any:
+        # A class of the training script or notebook (a namedtuple, a
+        # dataclass, an enum) reached this worker by value: plain pickle
+        # cannot name it here. Sent back by value with cloudpickle, it is
+        # rebuilt as the main process's own class: cloudpickle tags a class
+        # it sends by value and, receiving the tag where the class came
+        # from, returns the original (``type(batch) is Pair`` holds).
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            return _main_class_reduce(obj)
+        return NotImplemented
+
+
+_MAIN_CLASSES: Dict[type, bytes] = {}  # a worker's __main__ classes, pickled once each
+
+
+def _main_class_reduce(cls: type) -> Tuple[Any, Tuple[bytes]]:
+    data = _MAIN_CLASSES.get(cls)
+    if data is None:
+        import cloudpickle
+
+        data = _MAIN_CLASSES[cls] = cloudpickle.dumps(cls, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.loads, (data,)
+
 
 class _BatchUnpickler(pickle.Unpickler):
     def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list]) -> None:

@@ -1,7 +1,7 @@
 """The worker process: take a task from the ring, make the batch in its slot.
 
-Runs in a process started by :mod:`fastload.pool` (spawn by default). It
-never touches an accelerator: the pool hides them through the environment
+Runs in a process started by :mod:`fastload.pool` (forked from a zygote by
+default, see :mod:`fastload.launch`). It never touches an accelerator: the pool hides them through the environment
 before anything here runs. The loop polls the ring with a timeout, so it
 notices shutdown and the death of the main process on its own.
 
@@ -10,7 +10,9 @@ Tasks (pickled into the slot they belong to):
 * ``(OP_SESSION, base_seed)`` — start a session: the pool has just sent,
   over this worker's socket, the fd of a memfd holding the pickled
   ``(dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
-  drop_last)``. The worker unpickles it, seeds ``random``/``torch``/``numpy``
+  drop_last)``, followed by the fds of what the dataset shares (see
+  :mod:`fastload.crossing`). ``(OP_SESSION, base_seed, True)``: the same,
+  inherited at fork instead (``WorkerSpec.session``). The worker unpickles it, seeds ``random``/``torch``/``numpy``
   and sets torch's worker info exactly as a fresh DataLoader worker would,
   and calls ``worker_init_fn``. A new iterator of a warm pool starts with one.
 * ``(OP_FETCH, epoch, batch_idx, index)`` — make one batch. A new ``epoch`` within a
@@ -21,6 +23,7 @@ Tasks (pickled into the slot they belong to):
 from __future__ import annotations
 
 import faulthandler
+import functools
 import mmap
 import os
 import pickle
@@ -32,7 +35,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from ._ring import FdHandle, RingHandle
 
@@ -42,6 +45,7 @@ OP_SESSION = 0
 OP_FETCH = 1
 _POLL_S = 0.5
 _OVERFLOW_MSG = struct.Struct("<Q")  # seq of the batch whose overflow fd follows
+SESSION_HEAD = struct.Struct("<cI")  # pool.send_session's first message
 
 
 @dataclass
@@ -55,6 +59,9 @@ class WorkerSpec:
     parent_pid: int
     hide_accelerators: bool
     stack_file: FdHandle  # where the worker dumps its Python stack on STACK_SIGNAL
+    # (dataset, collate_fn, ...) itself, for workers forked from the main
+    # process when only fork can hand it over; else it comes per session.
+    session: Any = None
 
 
 class _MainWatch:
@@ -107,30 +114,38 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
     return f", sample index {index!r}"
 
 
-def _recv_blob(sock: socket.socket) -> bytes:
-    _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
-    if not fds:
+def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
+    """The session pool.send_session sent: the pickled bytes and the fds of
+    what the dataset shares."""
+    msg, fds, _flags, _addr = socket.recv_fds(sock, SESSION_HEAD.size, 253)
+    if not msg:
         raise RuntimeError("fastload: the main process closed the worker channel")
-    fd = fds[0]
+    _s, total = SESSION_HEAD.unpack(msg)
+    while len(fds) < total:
+        more, got, _flags, _addr = socket.recv_fds(sock, 1, 253)
+        if not more:
+            raise RuntimeError("fastload: the main process closed the worker channel")
+        fds += got
+    blob_fd, shared = fds[0], fds[1:]
     try:
-        size = os.fstat(fd).st_size
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            return mm[:]
+        size = os.fstat(blob_fd).st_size
+        if size == 0:
+            return b"", shared
+        with mmap.mmap(blob_fd, size, prot=mmap.PROT_READ) as mm:
+            return mm[:], shared
     finally:
-        os.close(fd)
+        os.close(blob_fd)
 
 
 class _Session:
     """One session of a worker: a dataset replica, its seeds and its fetcher."""
 
-    def __init__(self, blob: bytes, base_seed: int, worker_id: int, num_workers: int,
-                 wrap_collate: Any) -> None:
+    def __init__(self, load: Callable[[], tuple], base_seed: int, worker_id: int,
+                 num_workers: int, wrap_collate: Any) -> None:
         import torch
         from torch._utils import ExceptionWrapper
         from torch.utils.data._utils import HAS_NUMPY
         from torch.utils.data._utils import worker as torch_worker
-
-        from . import _pickling
 
         self.worker_id = worker_id
         self.where = f"in DataLoader worker process {worker_id}"
@@ -143,7 +158,7 @@ class _Session:
          self.drop_last) = (None, None, None, 0, True, False)
         try:
             (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
-             self.drop_last) = _pickling.loads(blob)
+             self.drop_last) = load()
             self.collate_fn = wrap_collate(self.collate_fn)
         except Exception:
             self.init_exception = ExceptionWrapper(
@@ -199,7 +214,7 @@ def worker_main(spec: WorkerSpec) -> None:
     from torch.utils.data import _DatasetKind
     from torch.utils.data._utils import collate, signal_handling
 
-    from . import _pickling
+    from . import _pickling, crossing
     from ._core import WaitResult
     from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, SlotWriter
 
@@ -259,8 +274,12 @@ def worker_main(spec: WorkerSpec) -> None:
             task = pickle.loads(mv[start : start + task_len])
             if task[0] == OP_SESSION:
                 session = None  # drop the old replica before unpickling the new one
-                session = _Session(_recv_blob(spec.sock), task[1], wid, spec.num_workers,
-                                   writer.collating)
+                if len(task) > 2 and task[2]:  # inherited at fork
+                    load = lambda: spec.session  # noqa: E731
+                else:
+                    blob, fds = recv_session(spec.sock)
+                    load = functools.partial(crossing.unpack, blob, fds)
+                session = _Session(load, task[1], wid, spec.num_workers, writer.collating)
                 ring.commit(slot, KIND_DATA, 0, 0, 0)
                 continue
             _op, epoch, batch_idx, index = task
