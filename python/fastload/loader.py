@@ -251,7 +251,7 @@ class FastLoader(DataLoader[T_co]):
         max_worker_restarts: int = 0,
         device: Optional[Any] = None,
     ) -> None:
-        self._fastload_state = _LoaderState(LoaderOptions(
+        self._fastload_state = _LoaderState(LoaderOptions(  # STATE_ATTR
             allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
             held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
             max_worker_restarts=max_worker_restarts, device=device,
