@@ -3,10 +3,15 @@
 ``from fastload import FastLoader as DataLoader`` — same arguments, same
 batches; workers are spawn-started, never touch a GPU, and write batches
 into a shared-memory ring that the main process reads without copying.
+
+For loaders that libraries build, ``fastload.install()`` (or
+``python -m fastload run script.py``, or ``FASTLOAD_INSTALL=1`` in the
+environment) runs every DataLoader with workers on fastload.
 """
 
 from .errors import WorkerHangError
+from .install import install, installed, uninstall
 from .loader import FastLoader
 
-__all__ = ["FastLoader", "WorkerHangError", "__version__"]
+__all__ = ["FastLoader", "WorkerHangError", "install", "installed", "uninstall", "__version__"]
 __version__ = "0.1.0"

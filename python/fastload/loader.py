@@ -11,6 +11,7 @@ persistent workers) but batches travel through the shared-memory ring of
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -19,7 +20,8 @@ import pickle
 import time
 import mmap
 import weakref
-from typing import Any, Callable, NoReturn, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import (Any, Callable, Generic, NoReturn, Dict, Iterable, List, Optional, Sequence,
+                    Tuple, TypeVar)
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -47,6 +49,125 @@ _POLL_S = 0.1  # how often a waiting main process checks worker liveness
 _MIN_SLOT_BYTES = 1 << 20
 _DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
 _DEFAULT_SLOT_BYTES_SHM = 16 << 20  # the shm fallback reserves every page up front
+# Where a loader keeps its _LoaderState: FastLoader sets it in its constructor,
+# fastload.install() on first iteration of a plain DataLoader.
+STATE_ATTR = "_fastload_state"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """fastload's own loader options, checked on construction (see FastLoader)."""
+
+    allow_gpu_in_workers: bool = False
+    slot_bytes: Optional[int] = None
+    held_batches: int = 4
+    reuse_workers: bool = True
+    hang_timeout: Optional[float] = 300.0
+    max_worker_restarts: int = 0
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        slot_bytes, hang_timeout = self.slot_bytes, self.hang_timeout
+        max_worker_restarts, held_batches = self.max_worker_restarts, self.held_batches
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+            raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
+        if hang_timeout is not None and (
+            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float))
+            or not hang_timeout > 0
+        ):
+            raise ValueError(
+                f"hang_timeout option should be a positive number of seconds or None, "
+                f"but got {hang_timeout!r}"
+            )
+        if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) \
+                or max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts option should be an int >= 0, "
+                             f"but got {max_worker_restarts!r}")
+        if not isinstance(held_batches, int) or held_batches < 1:
+            raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
+        # frozen: normalise through object.__setattr__
+        object.__setattr__(self, "allow_gpu_in_workers", bool(self.allow_gpu_in_workers))
+        object.__setattr__(self, "reuse_workers", bool(self.reuse_workers))
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+class _LoaderState:
+    """fastload's state for one loader, kept across its iterators.
+
+    FastLoader makes one in its constructor; ``fastload.install()`` makes one
+    for a plain DataLoader when it is first iterated. The iterator reads the
+    options from it, learns slot sizes into it and hands its warm pool back
+    to it, so any DataLoader can run on fastload without new attributes of
+    its own. Copies and pickles of a loader carry the options only: worker
+    processes are not copied.
+    """
+
+    def __init__(self, options: LoaderOptions) -> None:
+        self.options = options
+        self.learned_batch_bytes = 0
+        self.idle_pool: Optional[WorkerPool] = None
+        self.spare_zygotes: List[Zygote] = []
+        self.warned_fork = False  # said that its workers fork from this process
+
+    def __reduce__(self) -> Tuple[Any, Tuple[LoaderOptions]]:
+        return (_LoaderState, (self.options,))
+
+    def device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
+        """The runtime that can register the ring as pinned memory, if any."""
+        return cuda_runtime_or_none(device_type)
+
+    def stream_ops(self) -> Optional[StreamOps]:
+        """Stream operations for device prefetch; None when there is nothing to do."""
+        device = self.options.device
+        if device is None or device.type == "cpu":
+            return None
+        if device.type == "cuda":
+            return CudaStreamOps(device)
+        return _BlockingOps(device)
+
+    def take_spare_zygote(self, hide_accelerators: bool) -> Optional[Zygote]:
+        while self.spare_zygotes:
+            zygote = self.spare_zygotes.pop()
+            if zygote.hide_accelerators == hide_accelerators:
+                return zygote
+            zygote.stop()
+        return None
+
+    def take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
+        pool, self.idle_pool = self.idle_pool, None
+        if pool is None:
+            return None
+        if pool.config == config and pool.alive:
+            return pool
+        pool.shutdown()
+        return None
+
+    def keep_idle_pool(self, pool: WorkerPool) -> None:
+        if (self.options.reuse_workers and self.idle_pool is None and pool.alive
+                and pool.reusable and pool.slots_accounted_for()):
+            self.idle_pool = pool
+        else:
+            pool.shutdown()
+
+
+_V = TypeVar("_V")
+
+
+class _Option(Generic[_V]):
+    """A FastLoader attribute backed by its LoaderOptions (read and write,
+    checked as in the constructor)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, loader: Any, owner: Optional[type] = None) -> _V:
+        if loader is None:
+            return self  # type: ignore[return-value]
+        return getattr(getattr(loader, STATE_ATTR).options, self._name)
+
+    def __set__(self, loader: Any, value: _V) -> None:
+        state = getattr(loader, STATE_ATTR)
+        state.options = dataclasses.replace(state.options, **{self._name: value})
 
 
 class FastLoader(DataLoader[T_co]):
@@ -95,6 +216,14 @@ class FastLoader(DataLoader[T_co]):
     lambdas, closures) is sent by value with cloudpickle.
     """
 
+    allow_gpu_in_workers: _Option[bool] = _Option()
+    slot_bytes: _Option[Optional[int]] = _Option()
+    held_batches: _Option[int] = _Option()
+    reuse_workers: _Option[bool] = _Option()
+    hang_timeout: _Option[Optional[float]] = _Option()
+    max_worker_restarts: _Option[int] = _Option()
+    device: _Option[Optional[torch.device]] = _Option()
+
     def __init__(
         self,
         dataset: Dataset[T_co],
@@ -123,32 +252,11 @@ class FastLoader(DataLoader[T_co]):
         max_worker_restarts: int = 0,
         device: Optional[Any] = None,
     ) -> None:
-        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
-            raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
-        if hang_timeout is not None and (
-            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float))
-            or not hang_timeout > 0
-        ):
-            raise ValueError(
-                f"hang_timeout option should be a positive number of seconds or None, "
-                f"but got {hang_timeout!r}"
-            )
-        if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) \
-                or max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts option should be an int >= 0, "
-                             f"but got {max_worker_restarts!r}")
-        if not isinstance(held_batches, int) or held_batches < 1:
-            raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
-        self.allow_gpu_in_workers = bool(allow_gpu_in_workers)
-        self.slot_bytes = slot_bytes
-        self.held_batches = held_batches
-        self.reuse_workers = bool(reuse_workers)
-        self.hang_timeout = hang_timeout
-        self.max_worker_restarts = max_worker_restarts
-        self.device = resolve_device(device)
-        self._learned_batch_bytes = 0
-        self._idle_pool: Optional[WorkerPool] = None
-        self._spare_zygote: List[Zygote] = []
+        self._fastload_state = _LoaderState(LoaderOptions(  # STATE_ATTR
+            allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
+            held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
+            max_worker_restarts=max_worker_restarts, device=device,
+        ))
         super().__init__(
             dataset,
             batch_size,
@@ -175,6 +283,16 @@ class FastLoader(DataLoader[T_co]):
             self._spare_zygote.append(start_zygote(not self.allow_gpu_in_workers))
             weakref.finalize(self, _stop_spare_zygotes, self._spare_zygote)
 
+    @property
+    def _idle_pool(self) -> Optional[WorkerPool]:
+        """The warm pool kept between epochs, if any."""
+        return self._fastload_state.idle_pool
+
+    @property
+    def _spare_zygote(self) -> List[Zygote]:
+        """The zygote started with the loader, until a pool takes it."""
+        return self._fastload_state.spare_zygotes
+
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
             ops = self._stream_ops()
@@ -186,39 +304,11 @@ class FastLoader(DataLoader[T_co]):
 
     def _device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
         """The runtime that can register the ring as pinned memory, if any."""
-        return cuda_runtime_or_none(device_type)
+        return self._fastload_state.device_runtime(device_type)
 
     def _stream_ops(self) -> Optional[StreamOps]:
         """Stream operations for device prefetch; None when there is nothing to do."""
-        if self.device is None or self.device.type == "cpu":
-            return None
-        if self.device.type == "cuda":
-            return CudaStreamOps(self.device)
-        return _BlockingOps(self.device)
-
-    def _take_spare_zygote(self, hide_accelerators: bool) -> Optional[Zygote]:
-        while self._spare_zygote:
-            zygote = self._spare_zygote.pop()
-            if zygote.hide_accelerators == hide_accelerators:
-                return zygote
-            zygote.stop()
-        return None
-
-    def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
-        pool, self._idle_pool = self._idle_pool, None
-        if pool is None:
-            return None
-        if pool.config == config and pool.alive:
-            return pool
-        pool.shutdown()
-        return None
-
-    def _keep_idle_pool(self, pool: WorkerPool) -> None:
-        if (self.reuse_workers and self._idle_pool is None and pool.alive and pool.reusable
-                and pool.slots_accounted_for()):
-            self._idle_pool = pool
-        else:
-            pool.shutdown()
+        return self._fastload_state.stream_ops()
 
 
 def _stop_spare_zygotes(spare: List[Zygote]) -> None:
@@ -244,29 +334,37 @@ class _Task:
 class _FastLoaderIter(_BaseDataLoaderIter):
     """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
 
-    def __init__(self, loader: FastLoader) -> None:
+    def __init__(self, loader: DataLoader, state: Optional[_LoaderState] = None) -> None:
+        """``state``: fastload's state for ``loader``; a FastLoader's own by default."""
         super().__init__(loader)
+        if state is None:
+            state = getattr(loader, STATE_ATTR)
+        opts = state.options
         self._prefetch_factor: int = loader.prefetch_factor  # type: ignore[assignment]
         self._in_order = getattr(loader, "in_order", True)
         if self._prefetch_factor <= 0:
             raise AssertionError("prefetch_factor must be greater than 0 for multi-process loading")
-        self._loader_ref = weakref.ref(loader)
-        self._held_batches = loader.held_batches
+        self._state_ref = weakref.ref(state)
+        self._held_batches = opts.held_batches
         self._pool: Optional[WorkerPool] = None
         self._owner_pid = os.getpid()
         self._shutdown = False
         self._fatal: Optional[str] = None
-        self._hang_timeout = loader.hang_timeout
-        self._restarts_left = loader.max_worker_restarts
+        self._hang_timeout = opts.hang_timeout
+        self._restarts_left = opts.max_worker_restarts
         self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
         self._epoch = 0
         self._inflight: Dict[int, _Task] = {}  # seq -> task with no result yet
         self._task_info: Dict[int, _Task] = {}
         self._session: Dict[int, Tuple[int, int]] = {}  # seq -> (slot, worker) of session tasks
         self._pinner: Optional[PinnedRing] = None
-        ops = loader._stream_ops()
+        if isinstance(loader, FastLoader):  # a subclass may override these two
+            stream_ops, device_runtime = loader._stream_ops, loader._device_runtime
+        else:
+            stream_ops, device_runtime = state.stream_ops, state.device_runtime
+        ops = stream_ops()
         self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
-        if ops is not None and loader.device is not None and loader.device.type == "cuda":
+        if ops is not None and opts.device is not None and opts.device.type == "cuda":
             # Overlapping the copy needs pinned memory: pin the ring too.
             self._pin_memory = True
             self._pin_memory_device = "cuda"
@@ -287,8 +385,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 raise
             # Only fork can hand it over, and DataLoader's default on Linux is
             # fork: do what DataLoader does for this dataset, and say so.
-            if not loader.__dict__.get("_fastload_forks"):  # once per loader
-                loader.__dict__["_fastload_forks"] = True
+            if not state.warned_fork:  # once per loader
+                state.warned_fork = True
                 log.warning("fastload: the dataset holds a multiprocessing object made in the "
                             "fork context, which only fork can hand over: its workers are "
                             "forked from this process, as DataLoader's are. Make it with "
@@ -305,27 +403,27 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 f"{_core.MAX_SLOTS}, got {num_slots}"
             )
         force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
-        slot_bytes = loader.slot_bytes
+        slot_bytes = opts.slot_bytes
         if slot_bytes is None:
             slot_bytes = _DEFAULT_SLOT_BYTES_SHM if force_shm else _DEFAULT_SLOT_BYTES
-            learned = loader._learned_batch_bytes * 5 // 4
+            learned = state.learned_batch_bytes * 5 // 4
             if learned > slot_bytes:
                 slot_bytes = -(-learned // (1 << 20)) << 20
         slot_bytes = max(int(slot_bytes), _MIN_SLOT_BYTES)
-        hide = not loader.allow_gpu_in_workers
+        hide = not opts.allow_gpu_in_workers
         config = (ctx, self._num_workers, num_slots, slot_bytes, hide, force_shm)
         pool = None
         if not self._persistent_workers and inherited is None:
-            pool = loader._take_idle_pool(config)
+            pool = state.take_idle_pool(config)
         if pool is None:
-            zygote = loader._take_spare_zygote(hide) if ctx == ZYGOTE else None
+            zygote = state.take_spare_zygote(hide) if ctx == ZYGOTE else None
             pool = WorkerPool(ctx=ctx, num_workers=self._num_workers, num_slots=num_slots,
                               slot_bytes=slot_bytes, hide_accelerators=hide, force_shm=force_shm,
                               zygote=zygote, inherited=inherited)
         self._pool = pool
         self._ring = pool.ring
         if self._pin_memory and pool.pinner is None:
-            runtime = loader._device_runtime(self._pin_memory_device)
+            runtime = device_runtime(self._pin_memory_device)
             if runtime is not None:
                 pool.pinner = PinnedRing(pool.ring, runtime)
         self._pinner = pool.pinner if self._pin_memory else None
@@ -762,9 +860,9 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         return self._ring.num_slots - self._ring.free_slot_count() - pipeline
 
     def _learn(self, batch_bytes: int) -> None:
-        loader = self._loader_ref()
-        if loader is not None and batch_bytes > loader._learned_batch_bytes:
-            loader._learned_batch_bytes = batch_bytes
+        state = self._state_ref()
+        if state is not None and batch_bytes > state.learned_batch_bytes:
+            state.learned_batch_bytes = batch_bytes
 
     # ---- shutdown ----------------------------------------------------------
     def _hand_back_pool(self) -> None:
@@ -779,8 +877,8 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         pool = self._pool
         if pool is None:
             return
-        loader = self._loader_ref()
-        if loader is None or self._persistent_workers or not pool.alive:
+        state = self._state_ref()
+        if state is None or self._persistent_workers or not pool.alive:
             self._pool = None
             pool.shutdown()
             return
@@ -790,7 +888,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         pool.orphans += [(seq, slot, w) for seq, (slot, w) in self._session.items()]
         self._inflight.clear()
         self._session = {}
-        loader._keep_idle_pool(pool)
+        state.keep_idle_pool(pool)
 
     def _shutdown_workers(self) -> None:
         """Stop the workers for good (an error, or the end of a persistent iterator)."""
