@@ -1,9 +1,11 @@
 """A few training steps with 🤗 Accelerate on the CPU, optionally under ``fastload.install()``.
 
     python accelerate_steps.py [--install]
+    python -m fastload run accelerate_steps.py
 
 The script itself only knows ``torch.utils.data.DataLoader``; with
-``--install`` it calls ``fastload.install()`` first, the one line a user adds.
+``--install`` it calls ``fastload.install()`` first, the one line a user adds;
+``python -m fastload run`` installs fastload without changing the script.
 Prints one JSON line: every step's loss, the class of the prepared loader and
 of every iterator a DataLoader handed out.
 """
