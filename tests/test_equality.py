@@ -778,3 +778,18 @@ def test_batches_keep_to_fewest_slots(prefetch_factor: int) -> None:
     finally:
         del loader
         gc.collect()
+
+
+def test_loop_stopping_after_len_batches_keeps_the_pool_warm():
+    # Lightning's loop stops after len(loader) batches and keeps the old
+    # iterator while it makes the next: the pool goes back at the last batch.
+    loader = FastLoader(torch.arange(8), batch_size=2, num_workers=2)
+    want = [b.tolist() for b in DataLoader(torch.arange(8), batch_size=2)]
+    pids = None
+    for _ in range(3):
+        it = iter(loader)
+        assert [next(it).tolist() for _ in range(len(loader))] == want
+        assert loader._idle_pool is not None
+        pids = pids or loader._idle_pool.pids
+        assert loader._idle_pool.pids == pids
+    assert list(it) == []

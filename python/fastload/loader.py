@@ -461,6 +461,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         self._task_info = {}
         self._tasks_outstanding = 0
         self._owed: List[Any] = []  # indices drawn for tasks not sent yet (_process_data)
+        self._sampler_done = False
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -505,6 +506,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             try:
                 index = self._next_index()
             except StopIteration:
+                self._sampler_done = True
                 return
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_queue_idx = next(self._worker_queue_idx_cycle)
@@ -739,7 +741,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             if task.done:
                 del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
-                return self._process_data(task)
+                return self._deliver(task)
 
             if self._shutdown or self._tasks_outstanding <= 0:
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
@@ -759,11 +761,21 @@ class _FastLoaderIter(_BaseDataLoaderIter):
             if got.idx != self._rcvd_idx:
                 if not self._in_order:
                     del self._task_info[got.idx]
-                    return self._process_data(got)
+                    return self._deliver(got)
                 continue  # stays in its slot until its turn
             del self._task_info[got.idx]
             self._rcvd_idx += 1
-            return self._process_data(got)
+            return self._deliver(got)
+
+    def _deliver(self, task: _Task) -> Any:
+        data = self._process_data(task)
+        if (self._sampler_done and not self._persistent_workers and not self._task_info
+                and not self._owed and self._tasks_outstanding == 0):
+            # That was the epoch's last batch: give the pool back now, not at
+            # the StopIteration that a loop stopping after len(loader) batches
+            # (Lightning's does) never asks for; the next iter() finds it warm.
+            self._hand_back_pool()
+        return data
 
     def _pay_refills(self) -> None:
         """Send the tasks :meth:`_process_data` deferred."""
@@ -789,7 +801,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 try:
                     self._owed.append(self._next_index())
                 except StopIteration:
-                    pass
+                    self._sampler_done = True
             else:
                 self._try_put_index()
         if self._pin_memory:
