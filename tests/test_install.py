@@ -321,6 +321,7 @@ def test_copied_and_pickled_loaders_take_options_not_workers():
         assert state.idle_pool is None and state.options.hang_timeout == 7.5
 
 
+@pytest.mark.slow
 def test_accelerate_prepare_runs_on_fastload(monkeypatch):
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState
@@ -390,6 +391,7 @@ def _lines(out: str) -> Dict[str, str]:
     return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
 
 
+@pytest.mark.slow
 def test_python_m_fastload_run_script(tmp_path):
     (tmp_path / "train.py").write_text(PROBE)
     p = _run(["-m", "fastload", "run", "--hang-timeout", "60", "train.py", "a", "-m", "3"],
@@ -401,6 +403,7 @@ def test_python_m_fastload_run_script(tmp_path):
     assert out["argv"] == "['train.py', 'a', '-m', '3']"  # as `python train.py a -m 3`
 
 
+@pytest.mark.slow
 def test_python_m_fastload_run_module(tmp_path):
     (tmp_path / "probe_mod.py").write_text(PROBE)
     p = _run(["-m", "fastload", "run", "-m", "probe_mod", "-v", "x"], tmp_path, _env())
@@ -410,6 +413,7 @@ def test_python_m_fastload_run_module(tmp_path):
     assert out["argv"] == repr([str(tmp_path / "probe_mod.py"), "-v", "x"])
 
 
+@pytest.mark.slow
 def test_python_m_fastload_run_usage_errors(tmp_path):
     for args, msg in ((["run"], "give a script path or -m module"),
                       (["run", "--held-batches", "0", "x.py"], "held_batches option should be"),
@@ -428,6 +432,7 @@ def site_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["torch", "fastload"])
 def test_env_var_installs_in_a_new_interpreter(tmp_path, site_dir, first):
     (tmp_path / "train.py").write_text(f"import {first}\n" + PROBE)
@@ -437,6 +442,7 @@ def test_env_var_installs_in_a_new_interpreter(tmp_path, site_dir, first):
     assert _lines(p.stdout)["iterator"] == "_FastLoaderIter"
 
 
+@pytest.mark.slow
 def test_env_var_unset_imports_nothing(tmp_path, site_dir):
     (tmp_path / "train.py").write_text(PROBE)
     check = ("import sys; print('loaded', sorted(m for m in sys.modules "
@@ -457,6 +463,7 @@ def test_env_var_unset_imports_nothing(tmp_path, site_dir):
 
 @pytest.mark.skipif(not os.environ.get("FASTLOAD_TEST_WHEEL"),
                     reason="set FASTLOAD_TEST_WHEEL to a built wheel to test it in a venv")
+@pytest.mark.slow
 def test_wheel_ships_the_pth_and_installs_with_the_env_var(tmp_path):
     wheel = os.environ["FASTLOAD_TEST_WHEEL"]
     names = zipfile.ZipFile(wheel).namelist()

@@ -24,6 +24,8 @@ import pytest
 
 TIMEOUT = 180
 
+pytestmark = pytest.mark.slow  # each case is a fresh interpreter running both loaders
+
 UNGUARDED = textwrap.dedent(
     """
     import collections, dataclasses, enum, json, sys

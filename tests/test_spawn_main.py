@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case is a fresh interpreter
+
 SCRIPT = textwrap.dedent(
     """
     import torch, sys
