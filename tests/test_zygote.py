@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 
@@ -131,3 +132,18 @@ def test_prestarted_zygote_is_the_first_pool_s():
     # No zygote for explicit start methods or num_workers=0.
     assert FastLoader(fd.Plain(8), num_workers=NW, multiprocessing_context="spawn")._spare_zygote == []
     assert FastLoader(fd.Plain(8))._spare_zygote == []
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn", "forkserver", "fork"])
+def test_every_start_method_stops_promptly_and_quietly(ctx, caplog):
+    # Workers see the ring's shutdown and exit on their own (code 0) well
+    # within the grace period: none is terminated, nothing is logged.
+    loader = FastLoader(fd.Plain(40), batch_size=2, num_workers=NW,
+                        multiprocessing_context=ctx, reuse_workers=False)
+    it = iter(loader)
+    next(it), next(it)  # one batch from each worker: both are up (one still starting is killed)
+    procs = list(it._pool.procs)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        it._shutdown_workers()
+    assert [r.getMessage() for r in caplog.records] == []
+    assert [p.exitcode for p in procs] == [0] * NW

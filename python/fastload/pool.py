@@ -101,10 +101,8 @@ def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
         except Exception:  # pragma: no cover
             pass
     for p in procs:
-        try:
-            p.close()  # a launch.Child's fds; a multiprocessing.Process's sentinel
-        except Exception:  # noqa: BLE001 - still running after kill: leave it to the OS
-            pass
+        if isinstance(p, launch.Child):
+            p.close()  # its pidfd and death-note pipe; its exit code stays readable
     _close_fds(socks, overflow_fds, stack_fds, ring)
 
 
@@ -260,10 +258,8 @@ class WorkerPool:
         if old.exitcode is None:
             old.kill()
         old.join(5.0)
-        try:
+        if isinstance(old, launch.Child):
             old.close()
-        except Exception:  # noqa: BLE001 - not gone after SIGKILL: leave it to the OS
-            pass
         sock = self._socks[w]
         sock.setblocking(False)
         try:
