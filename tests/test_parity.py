@@ -1,0 +1,197 @@
+"""Corners where FastLoader must do what torch.utils.data.DataLoader does.
+
+Each test runs DataLoader and FastLoader on the same input and compares:
+
+* worker counts that are not integers (``num_workers=2.0``): DataLoader's
+  constructor accepts them and its iterator raises; FastLoader raises the
+  same error at the same moment, after the same warnings;
+* a generator (or another bare iterator) passed as the dataset: DataLoader's
+  error, not a pickling one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fastload import FastLoader
+
+# Cleanup noise of DataLoader's own iterator when it fails in __init__: it
+# fails again in __del__, and, failing after it made its queues, leaves their
+# feeder threads and connections to fail on pipes already closed.
+_DATALOADER_FAILURE_NOISE = [
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function _MultiProcessingDataLoaderIter.__del__"
+        ":pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function _ConnectionBase.__del__"
+        ":pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+def dataloader_fails(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test in which DataLoader's iterator fails: ignore its cleanup noise."""
+    for mark in _DATALOADER_FAILURE_NOISE:
+        test = mark(test)
+    return test
+
+
+class Rows(Dataset):
+    """Sample i: ``tensor([i])``."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+Outcome = Tuple[str, Any, List[Tuple[type, str]]]
+
+
+def attempt(cls: type, dataset: Any, **kwargs: Any) -> Outcome:
+    """(where it stopped, the batches or the exception, the warnings on the way)."""
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        try:
+            loader = cls(dataset, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any error is compared
+            return "construction", e, _warnings(ws)
+        try:
+            it = iter(loader)
+        except Exception as e:  # noqa: BLE001
+            return "iter", e, _warnings(ws)
+        try:
+            batches = list(it)
+        except Exception as e:  # noqa: BLE001
+            return "next", e, _warnings(ws)
+        del it
+    return "ok", batches, _warnings(ws)
+
+
+def _warnings(ws: List[warnings.WarningMessage]) -> List[Tuple[type, str]]:
+    return [(w.category, str(w.message)) for w in ws if issubclass(w.category, UserWarning)]
+
+
+def assert_same_failure(dl: Outcome, fl: Outcome) -> None:
+    assert dl[0] != "ok", "DataLoader was expected to fail"
+    assert (fl[0], type(fl[1]), str(fl[1])) == (dl[0], type(dl[1]), str(dl[1]))
+    assert fl[2] == dl[2]
+
+
+# ---------------------------------------------------------------------------
+# 1. worker counts
+# ---------------------------------------------------------------------------
+# kwargs that DataLoader's constructor accepts: its iterator rejects the
+# non-integer counts and takes the integer-like ones.
+COUNTS: Dict[str, Dict[str, Any]] = {
+    "num_workers=2.0": dict(num_workers=2.0),
+    "num_workers=1.5": dict(num_workers=1.5),
+    "num_workers=0.5": dict(num_workers=0.5),
+    "num_workers=np.float64": dict(num_workers=np.float64(2.0)),
+    "num_workers=float-tensor": dict(num_workers=torch.tensor(2.0)),
+    "prefetch_factor=2.0": dict(num_workers=2, prefetch_factor=2.0),
+    "prefetch_factor=1.5": dict(num_workers=1, prefetch_factor=1.5),
+    "prefetch_factor=np.float64": dict(num_workers=2, prefetch_factor=np.float64(3.0)),
+    # Warnings of the iterator's set-up come before the error.
+    "num_workers=2.0-pin_memory": dict(num_workers=2.0, pin_memory=True),
+    # The sampler's error, met first in the iterator's set-up, wins.
+    "num_workers=2.0-bad-batch_sampler": dict(num_workers=2.0, batch_sampler=5),
+    "num_workers=2.0-shuffle": dict(num_workers=2.0, shuffle=True),
+    # Integers to DataLoader's iterator: the checks refuse nothing more.
+    "num_workers=True": dict(num_workers=True),
+    "num_workers=np.int64": dict(num_workers=np.int64(2)),
+    "prefetch_factor=True": dict(num_workers=2, prefetch_factor=True),
+    "prefetch_factor=np.int64": dict(num_workers=2, prefetch_factor=np.int64(1)),
+    "timeout=np.float64": dict(num_workers=1, timeout=np.float64(30.0)),
+    "timeout=True": dict(num_workers=1, timeout=True),
+}
+
+
+@dataloader_fails
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_worker_counts_as_dataloader(case):
+    kwargs = COUNTS[case]
+    if kwargs.get("pin_memory") and torch.accelerator.is_available():
+        pytest.skip("an accelerator is available: pin_memory does not warn")
+    dl_gen, fl_gen = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    dl = attempt(DataLoader, Rows(), generator=dl_gen, **kwargs)
+    fl = attempt(FastLoader, Rows(), generator=fl_gen, **kwargs)
+    if dl[0] == "ok":
+        assert fl[0] == "ok", fl[1]
+        assert [b.tolist() for b in fl[1]] == [b.tolist() for b in dl[1]]
+        assert fl[2] == dl[2]
+    else:
+        assert dl[0] == "iter"
+        assert_same_failure(dl, fl)
+    # The iterator drew its base seed (before failing, if it failed).
+    assert torch.equal(fl_gen.get_state(), dl_gen.get_state())
+
+
+@dataloader_fails
+@pytest.mark.parametrize("value", [2.0, -1])
+def test_num_workers_set_after_construction(value):
+    """DataLoader lets ``num_workers`` be set after construction; its iterator
+    then checks it."""
+    outcomes = []
+    for cls in (DataLoader, FastLoader):
+        loader = cls(Rows(), num_workers=1)
+        loader.num_workers = value
+        outcomes.append(attempt(lambda _ds, **_kw: loader, None))
+    dl, fl = outcomes
+    assert dl[0] == fl[0] == "iter"
+    assert type(fl[1]) is type(dl[1])
+    if value == -1:
+        # The same check; DataLoader's message names its iterator class.
+        assert str(dl[1]) == "num_workers must be greater than 0 for MultiProcessingDataLoaderIter"
+        assert str(fl[1]) == "num_workers must be greater than 0 for multi-process loading"
+    else:
+        assert str(fl[1]) == str(dl[1])
+
+
+# ---------------------------------------------------------------------------
+# 2. a generator as the dataset
+# ---------------------------------------------------------------------------
+def _numbers() -> Iterator[int]:
+    yield from range(4)
+
+
+@dataloader_fails
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_workers=2), dict(num_workers=1, batch_size=None), dict(num_workers=2, batch_size=3),
+     dict(num_workers=1, multiprocessing_context="fork")],
+    ids=["default", "no-batching", "batch_size=3", "fork"],
+)
+@pytest.mark.parametrize("make", ["generator-expression", "generator-function", "open-file"])
+def test_iterator_as_dataset_fails_as_dataloader(make, kwargs, tmp_path):
+    """DataLoader's (forked) workers never pickle the dataset: the first index
+    drawn fails on ``len(dataset)``, when the iterator is made."""
+    path = tmp_path / "lines.txt"
+    path.write_text("a\nb\nc\n")
+
+    def dataset() -> Any:
+        if make == "generator-expression":
+            return (i for i in range(4))
+        if make == "generator-function":
+            return _numbers()
+        return open(path)  # noqa: SIM115 - closed below
+
+    dl_ds, fl_ds = dataset(), dataset()
+    try:
+        dl = attempt(DataLoader, dl_ds, **kwargs)
+        fl = attempt(FastLoader, fl_ds, **kwargs)
+    finally:
+        for ds in (dl_ds, fl_ds):
+            if hasattr(ds, "close"):
+                ds.close()
+    assert dl[0] == "iter" and type(dl[1]) is TypeError
+    assert "has no len()" in str(dl[1])
+    assert_same_failure(dl, fl)
+    assert not getattr(fl[1], "__notes__", None)  # no pickling advice
