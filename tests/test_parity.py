@@ -6,7 +6,8 @@ Each test runs DataLoader and FastLoader on the same input and compares:
   constructor accepts them and its iterator raises; FastLoader raises the
   same error at the same moment, after the same warnings;
 * a generator (or another bare iterator) passed as the dataset: DataLoader's
-  error, not a pickling one.
+  error, not a pickling one;
+* nested tensors in samples and batches: they arrive, with the same values.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
 
+NESTED_PROTOTYPE = "ignore:The PyTorch API of nested tensors is in prototype stage"
 # Cleanup noise of DataLoader's own iterator when it fails in __init__: it
 # fails again in __del__, and, failing after it made its queues, leaves their
 # feeder threads and connections to fail on pipes already closed.
@@ -50,6 +52,14 @@ class Rows(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i])
+
+
+def identity(batch: List[Any]) -> List[Any]:
+    return batch
+
+
+def clone_collate(batch: List[torch.Tensor]) -> List[torch.Tensor]:
+    return [t.clone() for t in batch]
 
 
 Outcome = Tuple[str, Any, List[Tuple[type, str]]]
@@ -195,3 +205,85 @@ def test_iterator_as_dataset_fails_as_dataloader(make, kwargs, tmp_path):
     assert "has no len()" in str(dl[1])
     assert_same_failure(dl, fl)
     assert not getattr(fl[1], "__notes__", None)  # no pickling advice
+
+
+# ---------------------------------------------------------------------------
+# 3. nested tensors
+# ---------------------------------------------------------------------------
+class NestedSamples(Dataset):
+    """Sample i: a nested tensor of two ragged matrices (like PyTorch's
+    test_nested_tensor_multiprocessing, with ragged sizes), in a dict with a
+    plain tensor and a transposed (non-contiguous) nested tensor."""
+
+    def __init__(self, n: int = 5) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        parts = [torch.randn(2, 3, generator=g), torch.randn(i + 1, 3, generator=g)]
+        nt = torch.nested.nested_tensor(parts)
+        return {"nested": nt, "plain": torch.full((2,), float(i)), "nested_t": nt.transpose(1, 2)}
+
+
+def _assert_same_nested(a: Any, b: Any) -> None:
+    if isinstance(b, dict):
+        assert a.keys() == b.keys()
+        for k in b:
+            _assert_same_nested(a[k], b[k])
+    elif isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_nested(x, y)
+    else:
+        assert type(a) is type(b) and a.is_nested == b.is_nested
+        assert a.layout == b.layout and a.dtype == b.dtype
+        if b.is_nested:
+            pa, pb = a.unbind(), b.unbind()
+            assert len(pa) == len(pb)
+            assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+        else:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(batch_size=1, collate_fn=identity), dict(batch_size=2, collate_fn=identity),
+     dict(batch_size=None)],
+    ids=["identity-collate", "identity-collate-2", "no-batching"],
+)
+def test_nested_tensors_arrive_as_with_dataloader(kwargs):
+    dl = attempt(DataLoader, NestedSamples(), num_workers=2, **kwargs)
+    fl = attempt(FastLoader, NestedSamples(), num_workers=2, **kwargs)
+    assert dl[0] == "ok", dl[1]
+    assert fl[0] == "ok", fl[1]
+    assert len(fl[1]) == len(dl[1])
+    _assert_same_nested(fl[1], dl[1])
+
+
+@pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+def test_nested_tensors_outlive_their_batch():
+    """Nested tensors kept while the rest of their batch is dropped and the
+    ring goes round several times: their buffers stay theirs."""
+    kw = dict(num_workers=2, batch_size=None)
+    got = [b["nested_t"] for b in FastLoader(NestedSamples(40), **kw)]
+    expected = [b["nested_t"] for b in DataLoader(NestedSamples(40), **kw)]
+    _assert_same_nested(got, expected)
+
+
+@pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+def test_nested_tensors_from_pytorchs_test():
+    """PyTorch's own case: a list of 1-element nested tensors, batch_size=1,
+    a collate_fn that clones (2 workers where PyTorch has 4, which warns on
+    machines with fewer CPUs)."""
+    dataset = [torch.nested.nested_tensor([torch.randn(5)]) for _ in range(10)]
+    loader = FastLoader(dataset, batch_size=1, num_workers=2, collate_fn=clone_collate)
+    got = list(loader)
+    expected = list(DataLoader(dataset, batch_size=1, num_workers=2, collate_fn=clone_collate))
+    assert len(got) == len(expected) == 10
+    for i, (f, d) in enumerate(zip(got, expected)):
+        _assert_same_nested(f, d)
+        _assert_same_nested(f[0], dataset[i])

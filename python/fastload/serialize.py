@@ -9,7 +9,9 @@ replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
 extent, requires_grad, k)``, dtype as a small int where it can be, k the
 tensor's number in the batch — naming bytes in the arena, and every
 out-of-band pickle buffer (numpy arrays and the like) is listed as
-``(buffer, offset, length)``.
+``(buffer, offset, length)``. A nested tensor has ``(None, values, sizes,
+strides, offsets, k)``, its four parts being plain tensors with persistent
+ids of their own.
 ``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
 fit its slot. Tensors that the default collate stacked straight into the
 slot are described where they already lie: no copy. Anything else is copied
@@ -71,12 +73,29 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 
 def _plain_cpu_tensor(obj: Any) -> bool:
+    # A nested tensor (layout strided too) has no strides of its own: see
+    # SlotWriter._nested_id.
     return (
         type(obj) is torch.Tensor
         and obj.layout == torch.strided
         and obj.device.type == "cpu"
         and not obj.is_quantized
+        and not obj.is_nested
     )
+
+
+def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor,
+                        offsets: torch.Tensor) -> torch.Tensor:
+    """A nested tensor over ``values`` (1-D, contiguous), no copy.
+
+    torch's nested view reads its buffer from the start of the buffer's
+    storage, and values viewing a slot start inside the slot's storage: it
+    gets a storage of its own over the same bytes (which keeps the slot's
+    alive through numpy's reference).
+    """
+    if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
+        values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
+    return torch._nested_view_from_buffer(values, sizes, strides, offsets)
 
 
 class _Arena:
@@ -183,14 +202,25 @@ class SlotWriter:
         id (pickle consults persistent ids before its memo), and tensors that
         share a storage are copied with it once, so aliasing, views and
         strides survive as they do through DataLoader."""
-        if not _plain_cpu_tensor(t):
-            return None
         key = id(t)
         pid = self._ids.get(key)
         if pid is None:
-            pid = self._describe(t) + (len(self._ids),)
+            if not _plain_cpu_tensor(t):
+                if not (t.is_nested and t.layout == torch.strided and t.device.type == "cpu"):
+                    return None
+                pid = self._nested_id(t)
+            else:
+                pid = self._describe(t) + (len(self._ids),)
             self._ids[key] = pid
         return pid
+
+    def _nested_id(self, t: torch.Tensor) -> tuple:
+        """A nested tensor's persistent id: ``(None, values, sizes, strides,
+        storage offsets, k)``, the parts torch's own reduction sends. The
+        pickler gives the four plain tensors persistent ids of their own, so
+        the buffer travels in the arena like any tensor."""
+        return (None, t.values(), t._nested_tensor_size(), t._nested_tensor_strides(),
+                t._nested_tensor_storage_offsets(), len(self._ids))
 
     def _describe(self, t: torch.Tensor) -> tuple:
         if t.is_conj() or t.is_neg():
@@ -324,7 +354,11 @@ class _BatchUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: tuple) -> torch.Tensor:
         t = self._memo.get(pid[-1])
         if t is None:
-            t = self._memo[pid[-1]] = self._build(*pid[:-1])
+            if pid[0] is None:
+                t = _nested_from_buffer(*pid[1:-1])
+            else:
+                t = self._build(*pid[:-1])
+            self._memo[pid[-1]] = t
         return t
 
     def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
