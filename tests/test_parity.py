@@ -7,11 +7,14 @@ Each test runs DataLoader and FastLoader on the same input and compares:
   same error at the same moment, after the same warnings;
 * a generator (or another bare iterator) passed as the dataset: DataLoader's
   error, not a pickling one;
-* nested tensors in samples and batches: they arrive, with the same values.
+* nested tensors in samples and batches: they arrive, with the same values;
+* tensors sharing memory within a batch (a row of a table and the table, in
+  either order; overlapping views): they share it after the trip too.
 """
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -21,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
+from fastload.serialize import SlotWriter, read_batch
 
 NESTED_PROTOTYPE = "ignore:The PyTorch API of nested tensors is in prototype stage"
 # Cleanup noise of DataLoader's own iterator when it fails in __init__: it
@@ -287,3 +291,105 @@ def test_nested_tensors_from_pytorchs_test():
     for i, (f, d) in enumerate(zip(got, expected)):
         _assert_same_nested(f, d)
         _assert_same_nested(f[0], dataset[i])
+
+
+# ---------------------------------------------------------------------------
+# 4. memory shared within a batch
+# ---------------------------------------------------------------------------
+class TableRows(Dataset):
+    """Sample i: a row of a table and the table (or the reverse, or two
+    overlapping windows of it, or a row alone)."""
+
+    def __init__(self, order: str) -> None:
+        self.order = order
+        self.table = torch.arange(64 * 1024, dtype=torch.float32).reshape(1024, 64)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, ...]:
+        t = self.table
+        if self.order == "view-then-table":
+            return (t[i], t)
+        if self.order == "table-then-view":
+            return (t, t[i])
+        if self.order == "overlapping-views":
+            return (t[i : i + 3], t[i + 1 : i + 5], t[900])
+        return (t[i],)
+
+
+def _memory_layout(tensors: List[torch.Tensor]) -> List[List[Any]]:
+    """For each pair of tensors: whether they overlap in memory and, if so,
+    the distance between their first elements."""
+    out = []
+    for a in tensors:
+        row = []
+        for b in tensors:
+            a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+            b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            row.append(a0 - b0 if a0 < b1 and b0 < a1 else None)
+        out.append(row)
+    return out
+
+
+def _flat(batch: Any) -> List[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return [t for item in batch for t in _flat(item)]
+
+
+def _writes_show(tensors: List[torch.Tensor]) -> List[List[bool]]:
+    """For each pair: whether a write through the first changes the second."""
+    out = []
+    for a in tensors:
+        row = []
+        for b in tensors:
+            before = b.clone()
+            saved = a.clone()
+            a.fill_(-1.0)
+            row.append(not torch.equal(b, before))
+            a.copy_(saved)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("collate", ["no-batching", "identity-collate"])
+@pytest.mark.parametrize("order", ["view-then-table", "table-then-view", "overlapping-views"])
+def test_shared_memory_within_a_batch_as_with_dataloader(order, collate):
+    kwargs = dict(batch_size=None) if collate == "no-batching" else dict(batch_size=2,
+                                                                         collate_fn=identity)
+    dl = attempt(DataLoader, TableRows(order), num_workers=2, **kwargs)
+    fl = attempt(FastLoader, TableRows(order), num_workers=2, **kwargs)
+    assert dl[0] == "ok" and fl[0] == "ok", (dl[1], fl[1])
+    assert len(fl[1]) == len(dl[1])
+    for f, d in zip(fl[1], dl[1]):
+        ft, dt = _flat(f), _flat(d)
+        assert len(ft) == len(dt)
+        assert all(torch.equal(a, b) for a, b in zip(ft, dt))
+        assert [a.stride() for a in ft] == [b.stride() for b in dt]
+        assert _memory_layout(ft) == _memory_layout(dt)
+        assert _writes_show(ft) == _writes_show(dt)
+
+
+def _slot_round_trip(obj: Any) -> Tuple[Any, int]:
+    """``obj`` through a SlotWriter and read_batch: (the copy, bytes the slot used)."""
+    slot_bytes = 1 << 20
+    mm = mmap.mmap(-1, slot_bytes)
+    writer = SlotWriter(mm, slot_bytes)
+    writer.begin(0)
+    data_len, meta_off, meta_len, overflow_fd, _ = writer.finish(obj)
+    assert overflow_fd is None
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    return read_batch(bytes(mm[meta_off : meta_off + meta_len]), [base]), data_len
+
+
+def test_small_view_of_a_big_storage_copies_only_the_view():
+    """A row of a 256 KiB table, without the table: the slot gets the row
+    (DataLoader's workers would move the whole table to shared memory)."""
+    table = TableRows("row").table
+    (row, again), used = _slot_round_trip((table[3], table[3]))  # two views of row 3
+    assert torch.equal(row, table[3]) and again.data_ptr() == row.data_ptr()
+    assert used < 4096 < table.untyped_storage().nbytes()
+    (row, tab), used = _slot_round_trip((table[3], table))
+    assert used == table.untyped_storage().nbytes()
+    assert row.data_ptr() == tab[3].data_ptr()
