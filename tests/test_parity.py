@@ -9,13 +9,15 @@ Each test runs DataLoader and FastLoader on the same input and compares:
   error, not a pickling one;
 * nested tensors in samples and batches: they arrive, with the same values;
 * tensors sharing memory within a batch (a row of a table and the table, in
-  either order; overlapping views): they share it after the trip too.
+  either order; overlapping views): they share it after the trip too;
+* a non-leaf tensor that requires grad: refused with torch's message.
 """
 
 from __future__ import annotations
 
 import mmap
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
@@ -393,3 +395,37 @@ def test_small_view_of_a_big_storage_copies_only_the_view():
     (row, tab), used = _slot_round_trip((table[3], table))
     assert used == table.untyped_storage().nbytes()
     assert row.data_ptr() == tab[3].data_ptr()
+
+
+# ---------------------------------------------------------------------------
+# 5. tensors that require grad
+# ---------------------------------------------------------------------------
+class GradSamples(Dataset):
+    def __init__(self, leaf: bool) -> None:
+        self.leaf = leaf
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        t = torch.full((3,), float(i), requires_grad=True)
+        return t if self.leaf else t * 2
+
+
+def test_tensors_that_require_grad():
+    """A leaf arrives as with DataLoader: a leaf that requires grad. A
+    non-leaf: DataLoader's worker sends with torch's tensor reduction, which
+    refuses it (DataLoader then never delivers the batch); FastLoader raises
+    that error for the batch."""
+    dl = attempt(DataLoader, GradSamples(leaf=True), num_workers=1, batch_size=None)
+    fl = attempt(FastLoader, GradSamples(leaf=True), num_workers=1, batch_size=None)
+    assert dl[0] == fl[0] == "ok"
+    for f, d in zip(fl[1], dl[1]):
+        assert torch.equal(f, d)
+        assert (f.requires_grad, f.is_leaf, f.grad_fn) == (d.requires_grad, d.is_leaf, d.grad_fn)
+
+    with pytest.raises(RuntimeError) as torch_refusal:
+        ForkingPickler.dumps(GradSamples(leaf=False)[0])
+    fl = attempt(FastLoader, GradSamples(leaf=False), num_workers=1, batch_size=None)
+    assert fl[0] == "next" and type(fl[1]) is RuntimeError
+    assert str(torch_refusal.value) in str(fl[1])

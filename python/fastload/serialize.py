@@ -55,6 +55,15 @@ _WITH_TABLES = b"\x01"  # meta pickles (buffers, deferred tensor descriptions, b
 # whole: only the viewed bytes are.
 _SLACK_BYTES = 4096
 
+# The message torch's own tensor reduction (what DataLoader's workers send
+# with) refuses a non-leaf tensor that requires grad with.
+_NON_LEAF_MESSAGE = (
+    "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+    "since autograd does not support crossing process boundaries.  "
+    "If you just want to transfer the data, call detach() on the tensor "
+    "before serializing (e.g., putting it on the queue)."
+)
+
 # Tensor dtypes travel as their index in this tuple (a pickled torch.dtype is
 # a global that the pickler checks and the unpickler looks up, on every
 # batch); a dtype not listed travels as itself. Workers and the main process
@@ -230,6 +239,10 @@ class SlotWriter:
                     return None
                 pid = self._nested_id(t)
             else:
+                if t.requires_grad and not t.is_leaf:
+                    # torch's reduction refuses it too (DataLoader's worker
+                    # then loses the batch): autograd cannot cross processes.
+                    raise RuntimeError(_NON_LEAF_MESSAGE)
                 pid = self._describe(t, len(self._ids))
             self._ids[key] = pid
         return pid
