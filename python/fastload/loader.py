@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import operator
 import os
 import pickle
 import time
@@ -24,7 +25,7 @@ from typing import (Any, Callable, Generic, NoReturn, Dict, Iterable, List, Opti
                     Tuple, TypeVar)
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
@@ -300,6 +301,7 @@ class FastLoader(DataLoader[T_co]):
                 return super()._get_iterator()
             return _SingleProcessIter(self, ops)
         self.check_worker_number_rationality()
+        _fail_as_dataloader_iterator(self)
         return _FastLoaderIter(self)
 
     def _device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
@@ -314,6 +316,85 @@ class FastLoader(DataLoader[T_co]):
 def _stop_spare_zygotes(spare: List[Zygote]) -> None:
     while spare:
         spare.pop().stop()
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _draws_len_first(loader: DataLoader) -> bool:
+    """Whether the loader's first index comes from ``len(dataset)``: one of
+    torch's default samplers over the dataset, batched or not."""
+    sampler = loader._index_sampler
+    if type(sampler) is BatchSampler:
+        sampler = sampler.sampler
+    return type(sampler) in (SequentialSampler, RandomSampler) and sampler.data_source is loader.dataset
+
+
+def _dataloader_start_method(loader: DataLoader) -> Optional[str]:
+    """The start method DataLoader's workers would use (None: not known)."""
+    ctx = loader.multiprocessing_context
+    if ctx is None:
+        # DataLoader's default: torch.multiprocessing's, the platform's first.
+        return (torch.multiprocessing.get_start_method(allow_none=True)
+                or multiprocessing.get_all_start_methods()[0])
+    try:
+        return ctx.get_start_method()
+    except Exception:  # a user's context object; DataLoader's checks passed it
+        return None
+
+
+def _fail_as_dataloader_iterator(loader: FastLoader) -> None:
+    """Raise what DataLoader's multi-process iterator would, where fastload
+    would fail elsewhere, before anything is pickled or started.
+
+    DataLoader's constructor lets these through and its iterator fails on
+    them; fastload's iterator would fail first on something of its own:
+
+    * a worker count or ``prefetch_factor`` that is not an integer
+      (``num_workers=2.0``): DataLoader fails on ``range(num_workers)`` as it
+      starts its workers, or on ``range(prefetch_factor * num_workers)`` as it
+      primes them (``TypeError: 'float' object cannot be interpreted as an
+      integer``); fastload would hand them to its ring's extension.
+    * a dataset that is a bare iterator (a generator, ``map(...)``) with a
+      default sampler: DataLoader's forked workers get it without pickling,
+      and its first index fails on ``len(dataset)``; fastload would fail
+      pickling the dataset for its workers.
+
+    DataLoader meets these after its base set-up (pin-memory warnings, the
+    sampler's iterator, the seed drawn from ``generator``), its
+    ``num_workers > 0`` check (repeated here: a count set after construction
+    could be negative) and its ``prefetch_factor > 0`` check (the iterator's
+    own, so nothing is done here then). The set-up is repeated here first,
+    so the warnings, the generator's state and, with several wrong arguments,
+    the error are DataLoader's too.
+    """
+    num_workers, prefetch_factor = loader.num_workers, loader.prefetch_factor
+    if not num_workers > 0:
+        _BaseDataLoaderIter(loader)
+        raise AssertionError("num_workers must be greater than 0 for multi-process loading")
+    try:
+        if not prefetch_factor > 0:
+            return
+    except TypeError:
+        return  # the iterator's own check raises DataLoader's error for it
+    dataset = loader.dataset
+    unsized_iterator = (  # a generator, a map object, an open file...
+        hasattr(type(dataset), "__next__") and not isinstance(dataset, Dataset)
+        and not hasattr(dataset, "__len__") and _draws_len_first(loader)
+        and _dataloader_start_method(loader) == "fork"
+    )
+    if _is_index(num_workers) and _is_index(prefetch_factor * num_workers) and not unsized_iterator:
+        return
+    it = _BaseDataLoaderIter(loader)
+    range(num_workers)  # DataLoader's worker start
+    range(prefetch_factor * num_workers)  # DataLoader's priming, which then draws an index
+    it._reset(loader, first_iter=True)
+    it._next_index()
 
 
 class _Task:

@@ -9,11 +9,18 @@ replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
 extent, requires_grad, k)``, dtype as a small int where it can be, k the
 tensor's number in the batch — naming bytes in the arena, and every
 out-of-band pickle buffer (numpy arrays and the like) is listed as
-``(buffer, offset, length)``.
+``(buffer, offset, length)``. A tensor whose place is only known once the
+whole batch has been seen (a small view of a big storage, see
+:meth:`SlotWriter._describe`) has the persistent id ``(j,)``, ``j`` indexing a
+table of such descriptions sent with the meta. A nested tensor has
+``(None, values, sizes, strides, offsets, k)``, its four parts being plain
+tensors with persistent ids of their own.
 ``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
 fit its slot. Tensors that the default collate stacked straight into the
 slot are described where they already lie: no copy. Anything else is copied
-once into the arena.
+once into the arena. Tensors that share memory in the worker share it in the
+main process (DataLoader's workers move whole storages to shared memory, so
+its batches keep all aliasing).
 
 The main process rebuilds the batch with tensors and arrays that *view* the
 slot: :func:`read_batch` takes the byte buffers and never copies them.
@@ -41,8 +48,21 @@ KIND_ERROR = 1
 KIND_EXHAUSTED = 2
 FLAG_OVERFLOW = 0x10
 
-_NO_BUFFERS = b"\x00"
-_WITH_BUFFERS = b"\x01"
+_NO_TABLES = b"\x00"  # meta is the batch's pickle alone
+_WITH_TABLES = b"\x01"  # meta pickles (buffers, deferred tensor descriptions, batch pickle)
+
+# A storage this much bigger than what the batch views of it is not copied
+# whole: only the viewed bytes are.
+_SLACK_BYTES = 4096
+
+# The message torch's own tensor reduction (what DataLoader's workers send
+# with) refuses a non-leaf tensor that requires grad with.
+_NON_LEAF_MESSAGE = (
+    "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+    "since autograd does not support crossing process boundaries.  "
+    "If you just want to transfer the data, call detach() on the tensor "
+    "before serializing (e.g., putting it on the queue)."
+)
 
 # Tensor dtypes travel as their index in this tuple (a pickled torch.dtype is
 # a global that the pickler checks and the unpickler looks up, on every
@@ -70,13 +90,35 @@ def _extent_bytes(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def _layout(t: torch.Tensor) -> Tuple[Any, Tuple[int, ...], Tuple[int, ...]]:
+    """(dtype or its code, shape, stride): how a persistent id describes a tensor."""
+    return (_DTYPE_CODE.get(t.dtype, t.dtype), tuple(t.shape), t.stride())
+
+
 def _plain_cpu_tensor(obj: Any) -> bool:
+    # A nested tensor (layout strided too) has no strides of its own: see
+    # SlotWriter._nested_id.
     return (
         type(obj) is torch.Tensor
         and obj.layout == torch.strided
         and obj.device.type == "cpu"
         and not obj.is_quantized
+        and not obj.is_nested
     )
+
+
+def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor,
+                        offsets: torch.Tensor) -> torch.Tensor:
+    """A nested tensor over ``values`` (1-D, contiguous), no copy.
+
+    torch's nested view reads its buffer from the start of the buffer's
+    storage, and values viewing a slot start inside the slot's storage: it
+    gets a storage of its own over the same bytes (which keeps the slot's
+    alive through numpy's reference).
+    """
+    if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
+        values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
+    return torch._nested_view_from_buffer(values, sizes, strides, offsets)
 
 
 class _Arena:
@@ -117,6 +159,10 @@ class SlotWriter:
         self._buffers: List[Tuple[int, int, int]] = []
         self._ids: Dict[int, tuple] = {}
         self._storages: Dict[Tuple[int, int], Tuple[int, int]] = {}
+        # Small views of big storages, placed at the end of the batch:
+        # (tensor, k, extent) by deferred number, deferred numbers by storage.
+        self._deferred: List[Tuple[torch.Tensor, int, int]] = []
+        self._views: Dict[Tuple[int, int], List[int]] = {}
         self._keep: List[Any] = []
         self._collating = False
 
@@ -150,6 +196,8 @@ class SlotWriter:
         self._buffers = []
         self._ids = {}
         self._storages = {}
+        self._deferred = []
+        self._views = {}
         self._keep = []
 
     def alloc_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -181,47 +229,127 @@ class SlotWriter:
     def tensor_id(self, t: torch.Tensor) -> Optional[tuple]:
         """The persistent id of a tensor: the same object always gets the same
         id (pickle consults persistent ids before its memo), and tensors that
-        share a storage are copied with it once, so aliasing, views and
-        strides survive as they do through DataLoader."""
-        if not _plain_cpu_tensor(t):
-            return None
+        share memory share it in the copy, so aliasing, views and strides
+        survive as they do through DataLoader."""
         key = id(t)
         pid = self._ids.get(key)
         if pid is None:
-            pid = self._describe(t) + (len(self._ids),)
+            if not _plain_cpu_tensor(t):
+                if not (t.is_nested and t.layout == torch.strided and t.device.type == "cpu"):
+                    return None
+                pid = self._nested_id(t)
+            else:
+                if t.requires_grad and not t.is_leaf:
+                    # torch's reduction refuses it too (DataLoader's worker
+                    # then loses the batch): autograd cannot cross processes.
+                    raise RuntimeError(_NON_LEAF_MESSAGE)
+                pid = self._describe(t, len(self._ids))
             self._ids[key] = pid
         return pid
 
-    def _describe(self, t: torch.Tensor) -> tuple:
+    def _nested_id(self, t: torch.Tensor) -> tuple:
+        """A nested tensor's persistent id: ``(None, values, sizes, strides,
+        storage offsets, k)``, the parts torch's own reduction sends. The
+        pickler gives the four plain tensors persistent ids of their own, so
+        the buffer travels in the arena like any tensor."""
+        return (None, t.values(), t._nested_tensor_size(), t._nested_tensor_strides(),
+                t._nested_tensor_storage_offsets(), len(self._ids))
+
+    def _describe(self, t: torch.Tensor, k: int) -> tuple:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        meta = (_DTYPE_CODE.get(t.dtype, t.dtype), tuple(t.shape), t.stride())
         extent = _extent_bytes(t)
         if extent == 0:
-            return (0, 0) + meta + (0, t.requires_grad)
+            return (0, 0) + _layout(t) + (0, t.requires_grad, k)
         assert self._arena is not None
         ptr = t.data_ptr() - self._base_ptr - self._slot_start
         if 0 <= ptr and ptr + extent <= self._arena.off:
             # Already in this slot (stacked there by the collate): describe it.
-            return (0, ptr) + meta + (extent, t.requires_grad)
+            return (0, ptr) + _layout(t) + (extent, t.requires_grad, k)
         storage = t.untyped_storage()
         skey = (storage.data_ptr(), storage.nbytes())
         placed = self._storages.get(skey)
-        if placed is None and storage.nbytes() <= 2 * extent + 4096:
-            # Copy the whole storage (it is not much bigger than the view):
-            # other tensors of this batch viewing it will share the copy.
-            src = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-            placed = self._copy_in(src)
-            self._storages[skey] = placed
+        if placed is None:
+            if storage.nbytes() > 2 * extent + _SLACK_BYTES:
+                # A small view of a big storage. Copying the storage whole
+                # would ship all of a dataset's table with each of its rows;
+                # copying just the view would split it from other tensors of
+                # the batch that share its memory (the table itself, an
+                # overlapping view) and that pickling has not met yet.
+                # Decided in _place_deferred, when the batch is known.
+                j = len(self._deferred)
+                self._deferred.append((t, k, extent))
+                self._views.setdefault(skey, []).append(j)
+                return (j,)
+            # The storage is not much bigger than the view: copy it whole,
+            # and other tensors of this batch viewing it share the copy.
+            placed = self._storages[skey] = self._copy_bytes(storage, 0, storage.nbytes())
             self._keep.append(storage)  # its address must stay unique while pickling
-        if placed is not None:
+        buf, off = placed
+        return (buf, off + t.storage_offset() * t.element_size()) + _layout(t) + (
+            extent, t.requires_grad, k)
+
+    def _place_deferred(self) -> List[tuple]:
+        """Copy the small views of big storages and describe them.
+
+        Per storage: if the batch also holds the storage whole (or enough of
+        it), every view points into that one copy. Else views whose bytes
+        overlap are copied together, as one byte range, so that they still
+        share memory; a view that overlaps no other is copied alone, compacted.
+        """
+        deferred = self._deferred
+        out: List[tuple] = [()] * len(deferred)
+        for skey, js in self._views.items():
+            storage_ptr, nbytes = skey
+            placed = self._storages.get(skey)
+            if placed is None:
+                if len(js) == 1:  # the usual case: one row of a table
+                    out[js[0]] = self._copy_alone(*deferred[js[0]])
+                    continue
+                groups: List[Tuple[int, int, List[int]]] = []  # (lo, hi, members)
+                for lo, j in sorted((deferred[j][0].data_ptr() - storage_ptr, j) for j in js):
+                    hi = lo + deferred[j][2]
+                    if groups and lo < groups[-1][1]:
+                        g = groups[-1]
+                        groups[-1] = (g[0], max(g[1], hi), g[2] + [j])
+                    else:
+                        groups.append((lo, hi, [j]))
+                storage = deferred[js[0]][0].untyped_storage()
+                if nbytes <= 2 * sum(hi - lo for lo, hi, _ in groups) + _SLACK_BYTES:
+                    placed = self._storages[skey] = self._copy_bytes(storage, 0, nbytes)
+                else:
+                    for lo, hi, members in groups:
+                        if len(members) == 1:
+                            out[members[0]] = self._copy_alone(*deferred[members[0]])
+                            continue
+                        lo -= lo % ALIGN  # keeps each member's alignment in the copy
+                        buf, off = self._copy_bytes(storage, lo, hi - lo)
+                        for j in members:
+                            t, k, extent = deferred[j]
+                            out[j] = (buf, off + t.data_ptr() - storage_ptr - lo) + _layout(t) + (
+                                extent, t.requires_grad, k)
+                    continue
             buf, off = placed
-            return (buf, off + t.storage_offset() * t.element_size()) + meta + (
-                extent, t.requires_grad)
-        # A small view of a big storage: copy just the view, compacted.
+            for j in js:
+                t, k, extent = deferred[j]
+                out[j] = (buf, off + t.storage_offset() * t.element_size()) + _layout(t) + (
+                    extent, t.requires_grad, k)
+        return out
+
+    def _copy_alone(self, t: torch.Tensor, k: int, extent: int) -> tuple:
+        """A view that shares memory with nothing else in the batch: copy just
+        its elements, compacted (contiguous strides where it was not)."""
         buf, off = self._copy_in(t)
+        if t.is_contiguous():
+            return (buf, off) + _layout(t) + (extent, t.requires_grad, k)
         stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
-        return (buf, off) + meta[:2] + (stride, t.numel() * t.element_size(), t.requires_grad)
+        return (buf, off) + _layout(t)[:2] + (stride, t.numel() * t.element_size(),
+                                               t.requires_grad, k)
+
+    def _copy_bytes(self, storage: Any, start: int, nbytes: int) -> Tuple[int, int]:
+        """Copy ``nbytes`` of ``storage`` from byte ``start`` into the arena."""
+        src = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
+        return self._copy_in(src)
 
     def _copy_in(self, t: torch.Tensor) -> Tuple[int, int]:
         """Copy ``t``'s elements, contiguously, to the slot or the overflow."""
@@ -261,10 +389,11 @@ class SlotWriter:
             p = _BatchPickler(bio, self)
             p.dump(obj)
             body = bio.getbuffer()
-            if self._buffers:
-                meta = _WITH_BUFFERS + pickle.dumps((self._buffers, bytes(body)), protocol=5)
+            deferred = self._place_deferred() if self._deferred else None
+            if self._buffers or deferred:
+                meta = _WITH_TABLES + pickle.dumps((self._buffers, deferred, bytes(body)), protocol=5)
             else:
-                meta = _NO_BUFFERS + bytes(body)
+                meta = _NO_TABLES + bytes(body)
             assert self._arena is not None
             data_len = self._arena.off
             if self._overflow is None:
@@ -338,16 +467,24 @@ def _main_class_reduce(cls: type) -> Tuple[Any, Tuple[bytes]]:
 
 
 class _BatchUnpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list]) -> None:
+    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
+                 deferred: Optional[List[tuple]]) -> None:
         super().__init__(f, buffers=buffers)
         self._bases = bases
+        self._deferred = deferred
         self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
         self._memo: Dict[int, torch.Tensor] = {}
 
     def persistent_load(self, pid: tuple) -> torch.Tensor:
+        if len(pid) == 1:
+            pid = self._deferred[pid[0]]  # type: ignore[index]
         t = self._memo.get(pid[-1])
         if t is None:
-            t = self._memo[pid[-1]] = self._build(*pid[:-1])
+            if pid[0] is None:
+                t = _nested_from_buffer(*pid[1:-1])
+            else:
+                t = self._build(*pid[:-1])
+            self._memo[pid[-1]] = t
         return t
 
     def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
@@ -379,11 +516,14 @@ def read_batch(meta: Any, bases: List[Any]) -> Any:
     mv = memoryview(meta)
     head, body = bytes(mv[:1]), mv[1:]
     buffers = None
-    if head == _WITH_BUFFERS:
-        descs, body = pickle.loads(body)
-        views = [_bytes_view(b) for b in bases]
-        buffers = [views[b][off : off + n] if n else memoryview(bytearray()) for b, off, n in descs]
-    return _BatchUnpickler(io.BytesIO(body), bases, buffers).load()
+    deferred = None
+    if head == _WITH_TABLES:
+        descs, deferred, body = pickle.loads(body)
+        if descs:
+            views = [_bytes_view(b) for b in bases]
+            buffers = [views[b][off : off + n] if n else memoryview(bytearray())
+                       for b, off, n in descs]
+    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred).load()
 
 
 def _bytes_view(base: Any) -> Optional[memoryview]:
