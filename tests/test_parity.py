@@ -429,3 +429,20 @@ def test_tensors_that_require_grad():
     fl = attempt(FastLoader, GradSamples(leaf=False), num_workers=1, batch_size=None)
     assert fl[0] == "next" and type(fl[1]) is RuntimeError
     assert str(torch_refusal.value) in str(fl[1])
+
+
+@dataloader_fails
+@pytest.mark.parametrize("case", ["num_workers=2.0", "prefetch_factor=1.5", "num_workers=2.0-shuffle"])
+def test_worker_counts_under_install(case):
+    """A library's own DataLoader under ``fastload.install()`` fails as it
+    did before the install."""
+    import fastload
+
+    kwargs = COUNTS[case]
+    plain = attempt(DataLoader, Rows(), generator=torch.Generator().manual_seed(7), **kwargs)
+    fastload.install()
+    try:
+        hooked = attempt(DataLoader, Rows(), generator=torch.Generator().manual_seed(7), **kwargs)
+    finally:
+        fastload.uninstall()
+    assert_same_failure(plain, hooked)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .loader import STATE_ATTR, FastLoader, LoaderOptions, _FastLoaderIter, _LoaderState
+from .loader import (STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator,
+                     _FastLoaderIter, _LoaderState)
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -127,6 +128,7 @@ def _get_iterator(self: DataLoader) -> _BaseDataLoaderIter:
     if not _active or self.num_workers == 0 or isinstance(self, FastLoader):
         return original(self)
     self.check_worker_number_rationality()
+    _fail_as_dataloader_iterator(self)
     # The instance __dict__ directly: a subclass may guard __setattr__.
     state = self.__dict__.get(STATE_ATTR)
     if state is None:

@@ -348,7 +348,7 @@ def _dataloader_start_method(loader: DataLoader) -> Optional[str]:
         return None
 
 
-def _fail_as_dataloader_iterator(loader: FastLoader) -> None:
+def _fail_as_dataloader_iterator(loader: DataLoader) -> None:
     """Raise what DataLoader's multi-process iterator would, where fastload
     would fail elsewhere, before anything is pickled or started.
 
