@@ -420,3 +420,23 @@ def test_empty_dataset():
         assert time.monotonic() - t0 < HANG_S
         del it
     assert list(dl) == []
+
+
+def test_add_note_without_python_support():
+    """On Python 3.10 (no BaseException.add_note) notes still land in
+    ``__notes__``, as PEP 678 and its backports read them."""
+    from fastload.errors import add_note
+
+    class NoAddNote(Exception):
+        def __getattribute__(self, name):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    e = NoAddNote("x")
+    add_note(e, "first")
+    add_note(e, "second")
+    assert e.__notes__ == ["first", "second"]
+    plain = ValueError("y")
+    add_note(plain, "note")
+    assert plain.__notes__ == ["note"]

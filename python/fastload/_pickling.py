@@ -25,6 +25,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 
+from .errors import add_note
+
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _SEARCH_DEPTH = 6  # how deep into attributes/containers the culprit is looked for
 _SEARCH_WIDTH = 256  # children looked at per object (a dataset may hold a list of millions)
@@ -116,7 +118,8 @@ def explain(e: BaseException, obj: Any, what: str, names: Sequence[Optional[str]
                 if found is not None:
                     culprits.append(found)
     where = f" ({'; '.join(culprits)} cannot be pickled)" if culprits else ""
-    e.add_note(
+    add_note(
+        e,
         f"fastload: cannot send the {what} to worker processes{where}: "
         f"{type(e).__name__}: {e}. Objects such as open files, locks, sockets or "
         "generators cannot cross processes: open them lazily in the worker "

@@ -9,3 +9,21 @@ class WorkerHangError(RuntimeError):
     The message names the worker id, its pid, the batch and sample indices it
     held, and the worker's Python stack at that moment.
     """
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` as PEP 678 describes (shown under its
+    traceback).
+
+    Python 3.11 has ``BaseException.add_note``. On 3.10 the note goes into
+    ``__notes__`` the same way, which the ``exceptiongroup`` backport and
+    pytest print, but the interpreter's own traceback does not.
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes  # type: ignore[attr-defined]
+    notes.append(note)

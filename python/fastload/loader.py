@@ -33,7 +33,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataL
 from . import _core, crossing
 from .device import CudaStreamOps, DevicePrefetcher, StreamOps, resolve_device
 from .pinning import DeviceRuntime, PinnedRing, cuda_runtime_or_none
-from .errors import WorkerHangError
+from .errors import WorkerHangError, add_note
 from .pool import ZYGOTE, WorkerPool, describe_exit, default_context, start_zygote
 from .launch import Zygote
 from .worker import OP_FETCH
@@ -460,7 +460,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
                 names=("dataset", "collate_fn", "worker_init_fn"))
         except crossing.ForkOnlyError as e:
             if ctx != default_context():
-                e.add_note("fastload: create it from the loader's start method, e.g. "
+                add_note(e, "fastload: create it from the loader's start method, e.g. "
                            "multiprocessing.get_context('spawn').Value(...), or pass "
                            "multiprocessing_context='fork'")
                 raise
@@ -933,7 +933,7 @@ class _FastLoaderIter(_BaseDataLoaderIter):
         try:
             return read_batch(meta, buffers)
         except Exception as e:
-            e.add_note(f"fastload: raised while rebuilding batch {task.idx} (sample indices "
+            add_note(e, f"fastload: raised while rebuilding batch {task.idx} (sample indices "
                        f"{_short(_as_list(task.index))}) in the main process")
             raise
 
