@@ -28,7 +28,8 @@ from torch.utils.data.dataloader import (_MultiProcessingDataLoaderIter,
 import eq_datasets as eq
 import fastload
 from fastload import FastLoader
-from fastload.loader import STATE_ATTR, _FastLoaderIter
+from fastload.iterator import FastLoaderIter
+from fastload.loader import STATE_ATTR
 from test_equality import assert_same
 
 NW = 2
@@ -87,7 +88,7 @@ def test_plain_dataloader_runs_on_fastload_with_the_same_batches(caplog):
     loader = make()
     with caplog.at_level(logging.INFO, logger="fastload"):
         it = iter(loader)
-        assert type(it).__name__ == "_FastLoaderIter" and isinstance(it, _FastLoaderIter)
+        assert type(it).__name__ == "FastLoaderIter" and isinstance(it, FastLoaderIter)
         assert_batches(list(it), want)
         list(make())  # a second loader and a second epoch: no second line
         list(loader)
@@ -119,7 +120,7 @@ def test_loader_created_before_install():
     loader = make()
     fastload.install()
     it = iter(loader)
-    assert isinstance(it, _FastLoaderIter)
+    assert isinstance(it, FastLoaderIter)
     assert_batches(list(it), want)
 
 
@@ -135,7 +136,7 @@ def test_num_workers_0_is_left_to_dataloader():
 def test_uninstall_restores_dataloader_s_iterator():
     loader = make()
     fastload.install()
-    assert isinstance(iter(loader), _FastLoaderIter)
+    assert isinstance(iter(loader), FastLoaderIter)
     fastload.uninstall()
     assert DataLoader.__dict__["_get_iterator"] is ORIGINAL_GET_ITERATOR
     it = iter(loader)  # the same loader, DataLoader's iterator again
@@ -165,7 +166,7 @@ def test_uninstall_under_someone_else_s_wrapper_leaves_it(caplog):
         del it
         fastload.install()  # ours, still inside theirs, is on again
         it = iter(make())
-        assert isinstance(it, _FastLoaderIter) and calls == [NW, NW]
+        assert isinstance(it, FastLoaderIter) and calls == [NW, NW]
         del it
     finally:
         DataLoader._get_iterator = ours  # type: ignore[method-assign]  # they unwrap
@@ -179,7 +180,7 @@ def test_install_twice_is_one_install_with_the_latest_options():
     fastload.install(hang_timeout=9, held_batches=2, max_worker_restarts=1)
     assert DataLoader.__dict__["_get_iterator"] is hook
     it = iter(make())
-    assert (it._hang_timeout, it._held_batches, it._restarts_left) == (9, 2, 1)
+    assert (it._hang_timeout, it._held_batches, it._supervisor.restarts_left) == (9, 2, 1)
     del it
     fastload.uninstall()  # one uninstall undoes both
     assert DataLoader.__dict__["_get_iterator"] is ORIGINAL_GET_ITERATOR
@@ -232,7 +233,7 @@ def test_subclass_defined_before_install_keeps_its_methods():
     loader = make(cls=TaggingLoader)
     assert len(loader) == 1000
     got = list(loader)
-    assert isinstance(loader.inner, _FastLoaderIter)
+    assert isinstance(loader.inner, FastLoaderIter)
     assert_batches(got, want)
 
 
@@ -274,9 +275,9 @@ def test_subclass_defined_after_install_that_calls_get_iterator_itself():
         return out + list(loader)
 
     loader = make(cls=InfiniteDataLoader)
-    assert isinstance(loader.iterator, _FastLoaderIter)
+    assert isinstance(loader.iterator, FastLoaderIter)
     got = epochs(loader)
-    assert isinstance(loader.iterator, _FastLoaderIter)
+    assert isinstance(loader.iterator, FastLoaderIter)
     del loader
     fastload.uninstall()
     ref = make(cls=InfiniteDataLoader)
@@ -291,7 +292,7 @@ def test_custom_batch_sampler():
     want = list(loader())
     fastload.install()
     it = iter(loader())
-    assert isinstance(it, _FastLoaderIter)
+    assert isinstance(it, FastLoaderIter)
     assert_batches(list(it), want)
 
 
@@ -307,7 +308,7 @@ def test_persistent_workers_over_two_epochs():
     assert theirs is _MultiProcessingDataLoaderIter
     fastload.install()
     got, ours = epochs(make(persistent_workers=True))
-    assert ours is _FastLoaderIter
+    assert ours is FastLoaderIter
     assert_batches(got, want)
 
 
@@ -331,13 +332,13 @@ def test_accelerate_prepare_runs_on_fastload(monkeypatch):
 
     want = list(loader())
     made: List[str] = []
-    real_init = _FastLoaderIter.__init__
+    real_init = FastLoaderIter.__init__
 
     def spy(self: Any, loader: Any, *args: Any) -> None:
         made.append(type(loader).__name__)
         real_init(self, loader, *args)
 
-    monkeypatch.setattr(_FastLoaderIter, "__init__", spy)
+    monkeypatch.setattr(FastLoaderIter, "__init__", spy)
     fastload.install()
     try:
         prepared = accelerate.Accelerator(cpu=True).prepare(loader())
@@ -398,7 +399,7 @@ def test_python_m_fastload_run_script(tmp_path):
              tmp_path, _env())
     assert p.returncode == 3, p.stderr  # the script's exit status
     out = _lines(p.stdout)
-    assert out["iterator"] == "_FastLoaderIter"
+    assert out["iterator"] == "FastLoaderIter"
     assert out["batches"] == "[[0, 1], [4, 9], [16, 25]]"
     assert out["argv"] == "['train.py', 'a', '-m', '3']"  # as `python train.py a -m 3`
 
@@ -409,7 +410,7 @@ def test_python_m_fastload_run_module(tmp_path):
     p = _run(["-m", "fastload", "run", "-m", "probe_mod", "-v", "x"], tmp_path, _env())
     assert p.returncode == 0, p.stderr
     out = _lines(p.stdout)
-    assert out["iterator"] == "_FastLoaderIter"
+    assert out["iterator"] == "FastLoaderIter"
     assert out["argv"] == repr([str(tmp_path / "probe_mod.py"), "-v", "x"])
 
 
@@ -439,7 +440,7 @@ def test_env_var_installs_in_a_new_interpreter(tmp_path, site_dir, first):
     env = _env(site_dir, FASTLOAD_INSTALL="1")
     p = _run(["train.py"], tmp_path, env)
     assert p.returncode == 0, p.stderr
-    assert _lines(p.stdout)["iterator"] == "_FastLoaderIter"
+    assert _lines(p.stdout)["iterator"] == "FastLoaderIter"
 
 
 @pytest.mark.slow
@@ -475,7 +476,7 @@ def test_wheel_ships_the_pth_and_installs_with_the_env_var(tmp_path):
                     "--ignore-installed", wheel], check=True)
     (tmp_path / "train.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FASTLOAD_INSTALL")}
-    for value, want in (("1", "_FastLoaderIter"), (None, "_MultiProcessingDataLoaderIter")):
+    for value, want in (("1", "FastLoaderIter"), (None, "_MultiProcessingDataLoaderIter")):
         run_env = dict(env, FASTLOAD_INSTALL=value) if value else env
         p = subprocess.run([py, "train.py"], cwd=tmp_path, env=run_env, capture_output=True,
                            text=True, timeout=120)

@@ -26,7 +26,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
-from fastload.serialize import SlotWriter, read_batch
+from fastload.reader import read_batch
+from fastload.serialize import SlotWriter
 
 NESTED_PROTOTYPE = "ignore:The PyTorch API of nested tensors is in prototype stage"
 # Cleanup noise of DataLoader's own iterator when it fails in __init__: it

@@ -33,6 +33,8 @@ in the worker.
 from __future__ import annotations
 
 import io
+import logging
+import multiprocessing
 import os
 import pickle
 import threading
@@ -41,9 +43,12 @@ from collections import ChainMap
 from dataclasses import dataclass, field
 from multiprocessing import context as mp_context
 from multiprocessing import reduction
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _pickling
+from .errors import add_note
+
+log = logging.getLogger("fastload")
 
 __all__ = ["Parcel", "pack", "unpack", "ForkOnlyError"]
 
@@ -202,3 +207,33 @@ def unpack(data: Any, fds: Sequence[int]) -> Any:
         for fd in receiving:
             if fd >= 0:
                 os.close(fd)
+
+
+def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel], Any, Optional[tuple]]:
+    """The session a loader's workers get: ``payload`` = (dataset,
+    collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)
+    packed for ``ctx``'s workers. Returns (parcel, context, None), or, where
+    only fork can hand the objects over (a fork-context ``multiprocessing``
+    object) and the loader asked for no start method, (None, the fork
+    context, payload): DataLoader's default on Linux is fork, so fastload
+    does what DataLoader does for this dataset, and says so once per loader
+    (``state.warned_fork``)."""
+    from .pool import default_context
+
+    try:
+        return pack(payload, "dataset, collate_fn and worker_init_fn",
+                    names=("dataset", "collate_fn", "worker_init_fn")), ctx, None
+    except ForkOnlyError as e:
+        if ctx != default_context():
+            add_note(e, "fastload: create it from the loader's start method, e.g. "
+                       "multiprocessing.get_context('spawn').Value(...), or pass "
+                       "multiprocessing_context='fork'")
+            raise
+    if not state.warned_fork:
+        state.warned_fork = True
+        log.warning("fastload: the dataset holds a multiprocessing object made in the "
+                    "fork context, which only fork can hand over: its workers are "
+                    "forked from this process, as DataLoader's are. Make it with "
+                    "multiprocessing.get_context('spawn') to keep workers apart "
+                    "from this process.")
+    return None, multiprocessing.get_context("fork"), payload

@@ -138,3 +138,17 @@ def move_to(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except TypeError:
             return moved
     return data
+
+
+class BlockingOps:
+    """Devices without CUDA-style streams (xpu, mps, ...): a plain ``.to()``;
+    correct, but the copy does not overlap the loop's work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def copy_to_device(self, fetch: Callable[[], Any]) -> Any:
+        return move_to(fetch(), lambda t: t.to(self.device))
+
+    def hand_over(self, data: Any) -> Any:
+        return data

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, List, Sequence
+
 
 class WorkerHangError(RuntimeError):
     """A worker held a batch for ``hang_timeout`` seconds without progress.
@@ -27,3 +29,15 @@ def add_note(exc: BaseException, note: str) -> None:
         notes = []
         exc.__notes__ = notes  # type: ignore[attr-defined]
     notes.append(note)
+
+
+def short_list(items: Sequence[Any], limit: int = 8) -> str:
+    """``items`` for an error message: the first ``limit`` and how many in all."""
+    shown = ", ".join(repr(i) for i in items[:limit])
+    more = f", ... ({len(items)} in all)" if len(items) > limit else ""
+    return f"[{shown}{more}]"
+
+
+def as_list(index: Any) -> List[Any]:
+    """A sampler's output (one index or a batch of them) as a list."""
+    return list(index) if isinstance(index, (list, tuple)) else [index]

@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .loader import (STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator,
-                     _FastLoaderIter, _LoaderState)
+from .iterator import FastLoaderIter
+from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
+from .warm import LoaderState
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -132,11 +133,12 @@ def _get_iterator(self: DataLoader) -> _BaseDataLoaderIter:
     # The instance __dict__ directly: a subclass may guard __setattr__.
     state = self.__dict__.get(STATE_ATTR)
     if state is None:
-        state = self.__dict__[STATE_ATTR] = _LoaderState(_defaults)
+        state = self.__dict__[STATE_ATTR] = LoaderState(_defaults)
     elif state.options is not _defaults:  # install() was called again since
         state.options = _defaults
     _announce(self)
-    return _FastLoaderIter(self, state)
+    return FastLoaderIter(self, state, stream_ops=state.stream_ops(),
+                          device_runtime=state.device_runtime)
 
 
 def _announce(loader: DataLoader) -> None:

@@ -14,7 +14,6 @@ import logging
 import mmap
 import multiprocessing
 import os
-import pickle
 import signal
 import socket
 import time
@@ -24,19 +23,13 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import _core, crossing, launch
 from .launch import Zygote
 from ._ring import FdHandle, RingHandle
-from .worker import (ACCELERATOR_ENV, OP_SESSION, SESSION_HEAD, STACK_SIGNAL, _OVERFLOW_MSG,
-                     WorkerSpec, worker_main)
+from .ledger import Record, Role, SlotLedger
+from .wire import STACK_SIGNAL, encode_session, hidden_env, recv_overflow, send_session
+from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")
 
 _WORKER_MAIN = "fastload.worker:worker_main"
-
-
-def hidden_env(hide: bool) -> Dict[str, str]:
-    """The environment overlay that hides accelerators from a new interpreter
-    (it reads the variables before any of our code runs; forked workers set
-    them again first thing)."""
-    return {k: "" for k in ACCELERATOR_ENV} if hide else {}
 
 
 def launcher_of(ctx: Any) -> Optional[str]:
@@ -131,8 +124,8 @@ class WorkerPool:
 
     A pool outlives one iterator when the loader keeps it warm: the next
     iterator starts a new *session* (the dataset re-sent, workers reseeded)
-    instead of spawning processes again. Stamps (``next_seq``) are the
-    pool's, so they never repeat across sessions.
+    instead of spawning processes again. Its :class:`SlotLedger` says what
+    every slot out of the free list is doing, across iterators.
     """
 
     def __init__(
@@ -154,12 +147,13 @@ class WorkerPool:
         self._socks: List[socket.socket] = []
         self._stack_fds: List[int] = []  # one memfd per worker for its stack dump
         self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
-        self._seq = 0
-        # (seq, slot, worker) of tasks a previous iterator left in flight.
-        self.orphans: List[Tuple[int, int, int]] = []
+        # Through a weak reference: a ledger holding its pool would keep the
+        # pool (and its workers) alive until a garbage collection.
+        close = weakref.WeakMethod(self._close_overflow)
+        self.ledger = SlotLedger(self.ring, lambda w, seq: _call_if_alive(close, w, seq))
         # fastload.pinning.PinnedRing when batches are pinned in place; leases
         # handed out keep it alive past the pool.
-        self.pinner: Optional[Any] = None
+        self._pinner: Optional[Any] = None
         # The default: workers forked from this pool's own zygote (one the
         # loader started ahead, or a new one).
         self._launcher = launcher_of(ctx)
@@ -248,12 +242,10 @@ class WorkerPool:
             self._zygotes.append(start_zygote(self._hide))
         return self._zygotes[-1]
 
-    def restart_worker(self, w: int, parcel: Optional[crossing.Parcel], base_seed: int) -> Tuple[int, int, int]:
-        """Replace dead (or hung: it is killed) worker ``w`` by a new process.
-
-        Overflow fds the dead worker sent before dying are kept. Returns the
-        new worker's session task (seq, slot, worker).
-        """
+    def replace_worker(self, w: int) -> None:
+        """Replace dead (or hung: it is killed) worker ``w`` by a new process;
+        the old one has exited when this returns. Overflow fds it sent before
+        dying are kept. The caller starts the new worker's session."""
         old = self.procs[w]
         if old.exitcode is None:
             old.kill()
@@ -264,10 +256,10 @@ class WorkerPool:
         sock.setblocking(False)
         try:
             while True:
-                msg, fds, _f, _a = socket.recv_fds(sock, _OVERFLOW_MSG.size, 1)
-                if not fds:
+                seq, fd = recv_overflow(sock)
+                if fd is None:
                     break
-                self._overflow_fds[_OVERFLOW_MSG.unpack(msg)[0]] = fds[0]
+                self._overflow_fds[seq] = fd  # type: ignore[index]
         except (BlockingIOError, InterruptedError):
             pass
         except ConnectionResetError:
@@ -275,7 +267,6 @@ class WorkerPool:
             pass
         self.ring.reset_worker(w)
         self._start_worker(w)
-        return self.start_session(parcel, base_seed, workers=[w])[0]
 
     @property
     def pids(self) -> Tuple[int, ...]:
@@ -285,20 +276,19 @@ class WorkerPool:
     def alive(self) -> bool:
         return self._finalizer.alive and not self.dead_workers()
 
-    def slots_accounted_for(self) -> bool:
-        """Every slot is free, leased by the loop, or an orphan being finished.
+    @property
+    def pinner(self) -> Optional[Any]:
+        """The :class:`fastload.pinning.PinnedRing` of this pool, if pinned."""
+        return self._pinner
 
-        False when an interrupted iterator (say a KeyboardInterrupt between
-        two bookkeeping steps) lost track of one: such a pool is not reused.
-        """
-        ring = self.ring
-        leased = sum(ring.state(i) == _core.SlotState.LEASED for i in range(ring.num_slots))
-        return ring.free_slot_count() + leased + len(self.orphans) == ring.num_slots
+    def pin(self, runtime: Any) -> Any:
+        """Register the ring as pinned memory with ``runtime`` (once per pool)."""
+        if self._pinner is None:
+            from .pinning import PinnedRing
 
-    def next_seq(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
+            self._pinner = PinnedRing(self.ring, runtime)
+            self.ledger.use_gate(self._pinner.gate)
+        return self._pinner
 
     @property
     def reusable(self) -> bool:
@@ -306,40 +296,32 @@ class WorkerPool:
         return self._inherited is None
 
     def start_session(self, parcel: Optional[crossing.Parcel], base_seed: int,
-                      workers: Optional[List[int]] = None) -> List[Tuple[int, int, int]]:
-        """Send every worker the pickled dataset (with the fds of what it
-        shares) and its seeds; returns the (seq, slot, worker) of the session
-        tasks, whose slots the caller frees when they complete. ``parcel`` is
+                      workers: Optional[List[int]] = None,
+                      resume: Optional[List[Optional[bytes]]] = None) -> List[Record]:
+        """Send every worker (or those in ``workers``) the pickled dataset
+        (with the fds of what it shares), its seeds and, to resume, the state
+        to put its generators back to (``resume[w]``); returns the session
+        records, which the ledger frees when they complete. ``parcel`` is
         None for a pool whose workers inherited the session."""
+        targets = range(self.num_workers) if workers is None else workers
+        states = resume if resume is not None else [None] * self.num_workers
         if parcel is None:
             assert self._inherited is not None
-            task = pickle.dumps((OP_SESSION, base_seed, True))
-            tasks = []
-            for w in range(self.num_workers) if workers is None else workers:
-                slot = self.ring.pop_free_slot(highest=True)
-                if slot is None:
-                    raise AssertionError("fastload: no free slot for a session task")
-                seq = self.next_seq()
-                self.ring.assign(slot, seq, w, task)
-                tasks.append((seq, slot, w))
-            return tasks
+            return [self.ledger.assign(Role.SESSION, w, encode_session(base_seed, True, states[w]))
+                    for w in targets]
         fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, len(parcel.data))
             if parcel.data:
                 with mmap.mmap(fd, len(parcel.data)) as mm:
                     mm[:] = parcel.data
-            tasks = []
-            task = pickle.dumps((OP_SESSION, base_seed))
-            for w in range(self.num_workers) if workers is None else workers:
-                slot = self.ring.pop_free_slot(highest=True)  # out of the batches' slots
-                if slot is None:
-                    raise AssertionError("fastload: no free slot for a session task")
+            records = []
+            for w in targets:
+                self.ledger.make_free(1)
                 send_session(self._socks[w], [fd, *parcel.fds])
-                seq = self.next_seq()
-                self.ring.assign(slot, seq, w, task)
-                tasks.append((seq, slot, w))
-            return tasks
+                records.append(self.ledger.assign(Role.SESSION, w,
+                                                  encode_session(base_seed, False, states[w])))
+            return records
         finally:
             os.close(fd)
 
@@ -388,16 +370,18 @@ class WorkerPool:
         fd = self._overflow_fds.pop(seq, None)
         sock = self._socks[worker]
         while fd is None:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, _OVERFLOW_MSG.size, 1)
-            if not fds:
+            got, got_fd = recv_overflow(sock)
+            if got_fd is None:
                 raise RuntimeError(f"fastload: worker {worker} closed its channel before sending "
                                    f"the overflow data of batch {seq}")
-            (got,) = _OVERFLOW_MSG.unpack(msg)
             if got == seq:
-                fd = fds[0]
+                fd = got_fd
             else:
-                self._overflow_fds[got] = fds[0]
+                self._overflow_fds[got] = got_fd  # type: ignore[index]
         return fd
+
+    def _close_overflow(self, worker: int, seq: int) -> None:
+        os.close(self.recv_overflow(worker, seq))
 
     def drop_overflow(self, seq: int) -> None:
         """Forget an overflow fd of a batch nobody will read."""
@@ -407,8 +391,15 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
-        self.pinner = None
+        self._pinner = None
+        self.ledger.forget()
         self._finalizer()
+
+
+def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
+    fn = method()
+    if fn is not None:
+        fn(*args)
 
 
 def _is_stopped(pid: int) -> bool:
@@ -437,15 +428,6 @@ def describe_exit(pid: int, exitcode: int, note: str = "") -> str:
         "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
         "better error trace. "
     )
-
-
-def send_session(sock: socket.socket, fds: List[int]) -> None:
-    """The session's fds (the blob's memfd first), in messages of at most
-    SCM_RIGHTS' limit; the worker reassembles them (worker.recv_session)."""
-    step = 250
-    for k in range(0, len(fds), step):
-        head = SESSION_HEAD.pack(b"S", len(fds)) if k == 0 else b"F"
-        socket.send_fds(sock, [head], fds[k:k + step])
 
 
 # multiprocessing_context=None: each pool forks its workers from a zygote of

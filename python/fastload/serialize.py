@@ -25,9 +25,10 @@ its batches keep all aliasing).
 The main process rebuilds the batch with tensors and arrays that *view* the
 slot: :func:`read_batch` takes the byte buffers and never copies them.
 
-Which process calls what: :class:`SlotWriter` lives in workers,
-:func:`read_batch` in the main process. Neither knows about the ring's
-states; ``worker.py`` and ``loader.py`` do.
+Which process calls what: :class:`SlotWriter` (here) lives in workers; its
+reading side, :func:`fastload.reader.read_batch` and
+:class:`fastload.reader.SlotReader`, in the main process. Neither knows
+about the ring's states: ``worker.py`` and the ledger do.
 """
 
 from __future__ import annotations
@@ -42,14 +43,8 @@ import torch
 
 ALIGN = 64
 
-# Result kinds a worker commits with (the ring carries them opaquely).
-KIND_DATA = 0
-KIND_ERROR = 1
-KIND_EXHAUSTED = 2
-FLAG_OVERFLOW = 0x10
-
-_NO_TABLES = b"\x00"  # meta is the batch's pickle alone
-_WITH_TABLES = b"\x01"  # meta pickles (buffers, deferred tensor descriptions, batch pickle)
+META_NO_TABLES = b"\x00"  # meta is the batch's pickle alone
+META_WITH_TABLES = b"\x01"  # meta pickles (buffers, deferred tensor descriptions, batch pickle)
 
 # A storage this much bigger than what the batch views of it is not copied
 # whole: only the viewed bytes are.
@@ -73,9 +68,9 @@ _DTYPE_NAMES = (
     "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
     "float8_e4m3fn", "float8_e5m2",
 )
-_DTYPES: Tuple[torch.dtype, ...] = tuple(
+DTYPES: Tuple[torch.dtype, ...] = tuple(
     getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype))
-_DTYPE_CODE: Dict[torch.dtype, int] = {d: i for i, d in enumerate(_DTYPES)}
+_DTYPE_CODE: Dict[torch.dtype, int] = {d: i for i, d in enumerate(DTYPES)}
 
 
 def _align(n: int) -> int:
@@ -105,20 +100,6 @@ def _plain_cpu_tensor(obj: Any) -> bool:
         and not obj.is_quantized
         and not obj.is_nested
     )
-
-
-def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor,
-                        offsets: torch.Tensor) -> torch.Tensor:
-    """A nested tensor over ``values`` (1-D, contiguous), no copy.
-
-    torch's nested view reads its buffer from the start of the buffer's
-    storage, and values viewing a slot start inside the slot's storage: it
-    gets a storage of its own over the same bytes (which keeps the slot's
-    alive through numpy's reference).
-    """
-    if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
-        values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
-    return torch._nested_view_from_buffer(values, sizes, strides, offsets)
 
 
 class _Arena:
@@ -378,11 +359,13 @@ class SlotWriter:
         return False
 
     # -- end of batch ------------------------------------------------------
-    def finish(self, obj: Any) -> Tuple[int, int, int, Optional[int], int]:
+    def finish(self, obj: Any, trailer: bytes = b"") -> Tuple[int, int, int, Optional[int], int]:
         """Serialise ``obj``; returns (data_len, meta_offset, meta_len, overflow_fd, overflow_len).
 
-        With an overflow fd, data_len/meta_* describe the overflow segment
-        for the meta (which then lies there) and the slot keeps its part.
+        ``trailer`` is appended to the meta, and counted in meta_len (the
+        worker's resume capture, see :mod:`fastload.resume`). With an
+        overflow fd, data_len/meta_* describe the overflow segment for the
+        meta (which then lies there) and the slot keeps its part.
         """
         try:
             bio = io.BytesIO()
@@ -391,9 +374,11 @@ class SlotWriter:
             body = bio.getbuffer()
             deferred = self._place_deferred() if self._deferred else None
             if self._buffers or deferred:
-                meta = _WITH_TABLES + pickle.dumps((self._buffers, deferred, bytes(body)), protocol=5)
+                meta = META_WITH_TABLES + pickle.dumps((self._buffers, deferred, bytes(body)), protocol=5)
             else:
-                meta = _NO_TABLES + bytes(body)
+                meta = META_NO_TABLES + bytes(body)
+            if trailer:
+                meta += trailer
             assert self._arena is not None
             data_len = self._arena.off
             if self._overflow is None:
@@ -464,71 +449,3 @@ def _main_class_reduce(cls: type) -> Tuple[Any, Tuple[bytes]]:
 
         data = _MAIN_CLASSES[cls] = cloudpickle.dumps(cls, protocol=pickle.HIGHEST_PROTOCOL)
     return pickle.loads, (data,)
-
-
-class _BatchUnpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
-                 deferred: Optional[List[tuple]]) -> None:
-        super().__init__(f, buffers=buffers)
-        self._bases = bases
-        self._deferred = deferred
-        self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
-        self._memo: Dict[int, torch.Tensor] = {}
-
-    def persistent_load(self, pid: tuple) -> torch.Tensor:
-        if len(pid) == 1:
-            pid = self._deferred[pid[0]]  # type: ignore[index]
-        t = self._memo.get(pid[-1])
-        if t is None:
-            if pid[0] is None:
-                t = _nested_from_buffer(*pid[1:-1])
-            else:
-                t = self._build(*pid[:-1])
-            self._memo[pid[-1]] = t
-        return t
-
-    def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
-               extent: int, requires_grad: bool) -> torch.Tensor:
-        if type(dtype) is int:
-            dtype = _DTYPES[dtype]
-        if extent == 0:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            u8 = self._u8[buf]
-            if u8 is None:
-                base = self._bases[buf]
-                if not isinstance(base, torch.Tensor):
-                    base = torch.frombuffer(base, dtype=torch.uint8)
-                u8 = self._u8[buf] = base
-            t = u8[off : off + extent].view(dtype).as_strided(shape, stride)
-        if requires_grad:
-            t.requires_grad_(True)
-        return t
-
-
-def read_batch(meta: Any, bases: List[Any]) -> Any:
-    """Main side: rebuild a batch from ``meta`` whose tensors view ``bases``.
-
-    ``bases[0]`` is the slot's data (a leased Region or a copy of it),
-    ``bases[1]`` the overflow mapping if any. The result keeps the bases
-    alive for as long as any of its tensors or arrays is.
-    """
-    mv = memoryview(meta)
-    head, body = bytes(mv[:1]), mv[1:]
-    buffers = None
-    deferred = None
-    if head == _WITH_TABLES:
-        descs, deferred, body = pickle.loads(body)
-        if descs:
-            views = [_bytes_view(b) for b in bases]
-            buffers = [views[b][off : off + n] if n else memoryview(bytearray())
-                       for b, off, n in descs]
-    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred).load()
-
-
-def _bytes_view(base: Any) -> Optional[memoryview]:
-    if base is None:
-        return None
-    if isinstance(base, torch.Tensor):
-        return memoryview(base.numpy()).cast("B")  # type: ignore[no-any-return]
-    return memoryview(base).cast("B")

@@ -5,19 +5,8 @@ default, see :mod:`fastload.launch`). It never touches an accelerator: the pool 
 before anything here runs. The loop polls the ring with a timeout, so it
 notices shutdown and the death of the main process on its own.
 
-Tasks (pickled into the slot they belong to):
-
-* ``(OP_SESSION, base_seed)`` — start a session: the pool has just sent,
-  over this worker's socket, the fd of a memfd holding the pickled
-  ``(dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
-  drop_last)``, followed by the fds of what the dataset shares (see
-  :mod:`fastload.crossing`). ``(OP_SESSION, base_seed, True)``: the same,
-  inherited at fork instead (``WorkerSpec.session``). The worker unpickles it, seeds ``random``/``torch``/``numpy``
-  and sets torch's worker info exactly as a fresh DataLoader worker would,
-  and calls ``worker_init_fn``. A new iterator of a warm pool starts with one.
-* ``(OP_FETCH, epoch, batch_idx, index)`` — make one batch. A new ``epoch`` within a
-  session is DataLoader's ``_ResumeIteration`` (persistent workers): the
-  fetcher is made anew, nothing is reseeded.
+The tasks it takes and the results it commits are described in
+:mod:`fastload.wire`.
 """
 
 from __future__ import annotations
@@ -31,21 +20,17 @@ import random
 import select
 import signal
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import resume
 from ._ring import FdHandle, RingHandle
+from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED,
+                   OP_SESSION, STACK_SIGNAL, decode_task, recv_session_fds, send_overflow)
 
-ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-STACK_SIGNAL = signal.SIGUSR1  # the hang watchdog asks a worker for its stack with it
-OP_SESSION = 0
-OP_FETCH = 1
 _POLL_S = 0.5
-_OVERFLOW_MSG = struct.Struct("<Q")  # seq of the batch whose overflow fd follows
-SESSION_HEAD = struct.Struct("<cI")  # pool.send_session's first message
 
 
 @dataclass
@@ -115,17 +100,9 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 
 
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
-    """The session pool.send_session sent: the pickled bytes and the fds of
-    what the dataset shares."""
-    msg, fds, _flags, _addr = socket.recv_fds(sock, SESSION_HEAD.size, 253)
-    if not msg:
-        raise RuntimeError("fastload: the main process closed the worker channel")
-    _s, total = SESSION_HEAD.unpack(msg)
-    while len(fds) < total:
-        more, got, _flags, _addr = socket.recv_fds(sock, 1, 253)
-        if not more:
-            raise RuntimeError("fastload: the main process closed the worker channel")
-        fds += got
+    """The session the pool sent: the pickled bytes and the fds of what the
+    dataset shares."""
+    fds = recv_session_fds(sock)
     blob_fd, shared = fds[0], fds[1:]
     try:
         size = os.fstat(blob_fd).st_size
@@ -141,13 +118,14 @@ class _Session:
     """One session of a worker: a dataset replica, its seeds and its fetcher."""
 
     def __init__(self, load: Callable[[], tuple], base_seed: int, worker_id: int,
-                 num_workers: int, wrap_collate: Any) -> None:
+                 num_workers: int, wrap_collate: Any, resume_from: Optional[tuple] = None) -> None:
         import torch
         from torch._utils import ExceptionWrapper
         from torch.utils.data._utils import HAS_NUMPY
         from torch.utils.data._utils import worker as torch_worker
 
         self.worker_id = worker_id
+        self.capturer = resume.Capturer()
         self.where = f"in DataLoader worker process {worker_id}"
         self.init_exception: Optional[Any] = None
         self.fetcher: Any = None
@@ -180,15 +158,28 @@ class _Session:
                 if init_fn is not None:
                     init_fn(worker_id)
                 self.fetcher = self.make_fetcher()
+                resume.apply(self, resume_from)
             except Exception:
                 self.init_exception = ExceptionWrapper(where=self.where)
 
     def make_fetcher(self) -> Any:
         from torch.utils.data import _DatasetKind
 
-        return _DatasetKind.create_fetcher(
+        fetcher = _DatasetKind.create_fetcher(
             self.dataset_kind, self.dataset, self.auto_collation, self.collate_fn, self.drop_last
         )
+        if self.dataset_kind == _DatasetKind.Iterable:
+            # Counts the samples the replica gave: a resumed replica without
+            # state_dict() is fast-forwarded by that many.
+            fetcher.dataset_iter = resume.CountingIter(fetcher.dataset_iter)
+        return fetcher
+
+    def capture(self) -> bytes:
+        """The resume trailer of the batch just made (see fastload.resume)."""
+        it = getattr(self.fetcher, "dataset_iter", None)
+        if isinstance(it, resume.CountingIter):
+            return resume.trailer(self.capturer.capture(it.count, self.dataset))
+        return resume.trailer(self.capturer.capture(0))
 
     def new_epoch(self, epoch: int) -> None:
         if self.epoch is not None and self.init_exception is None:
@@ -216,7 +207,7 @@ def worker_main(spec: WorkerSpec) -> None:
 
     from . import _pickling, crossing
     from ._core import WaitResult
-    from .serialize import FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED, SlotWriter
+    from .serialize import SlotWriter
 
     signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
@@ -247,15 +238,16 @@ def worker_main(spec: WorkerSpec) -> None:
 
     collate.default_collate_fn_map[torch.Tensor] = collate_tensor_into_slot
 
-    def commit_error(slot: int, wrapper: Any) -> None:
+    def commit_error(slot: int, wrapper: Any, trailer: bytes) -> None:
         try:
             meta = _pickling.dumps_by_value(wrapper, "error")
         except Exception:
             plain = RuntimeError(wrapper.msg)
             meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
-        if len(meta) > slot_bytes:
+        if len(meta) + len(trailer) > slot_bytes:
             short = RuntimeError(wrapper.msg[:4096])
             meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
+        meta += trailer
         start = slot * slot_bytes
         mv[start : start + len(meta)] = meta
         ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
@@ -271,15 +263,15 @@ def worker_main(spec: WorkerSpec) -> None:
             if status == WaitResult.SHUTDOWN:
                 break
             start = slot * slot_bytes
-            task = pickle.loads(mv[start : start + task_len])
+            task = decode_task(mv[start : start + task_len])
             if task[0] == OP_SESSION:
                 session = None  # drop the old replica before unpickling the new one
-                if len(task) > 2 and task[2]:  # inherited at fork
+                if task[2]:  # inherited at fork
                     load = lambda: spec.session  # noqa: E731
                 else:
                     blob, fds = recv_session(spec.sock)
                     load = functools.partial(crossing.unpack, blob, fds)
-                session = _Session(load, task[1], wid, spec.num_workers, writer.collating)
+                session = _Session(load, task[1], wid, spec.num_workers, writer.collating, task[3])
                 ring.commit(slot, KIND_DATA, 0, 0, 0)
                 continue
             _op, epoch, batch_idx, index = task
@@ -290,7 +282,7 @@ def worker_main(spec: WorkerSpec) -> None:
                 ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
                 continue
             if session.init_exception is not None:
-                commit_error(slot, session.init_exception)
+                commit_error(slot, session.init_exception, session.capture())
                 continue
             where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
             writer.begin(slot)
@@ -302,23 +294,25 @@ def worker_main(spec: WorkerSpec) -> None:
                     session.iteration_end = True
                     ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
                 else:
-                    commit_error(slot, ExceptionWrapper(where=where))
+                    commit_error(slot, ExceptionWrapper(where=where), session.capture())
                 continue
             except Exception:
                 writer.abort()
-                commit_error(slot, ExceptionWrapper(where=where))
+                commit_error(slot, ExceptionWrapper(where=where), session.capture())
                 continue
+            trailer = session.capture()
             try:
-                data_len, meta_off, meta_len, ofd, _ = writer.finish(data)
+                data_len, meta_off, meta_len, ofd, _ = writer.finish(data, trailer)
             except Exception:
                 del data
-                commit_error(slot, ExceptionWrapper(where=f"{where} while sending it to the main process"))
+                commit_error(slot, ExceptionWrapper(where=f"{where} while sending it to the main process"),
+                             trailer)
                 continue
             del data
             kind = KIND_DATA
             if ofd is not None:
                 try:
-                    socket.send_fds(spec.sock, [_OVERFLOW_MSG.pack(seq)], [ofd])
+                    send_overflow(spec.sock, seq, ofd)
                 finally:
                     os.close(ofd)
                 kind |= FLAG_OVERFLOW

@@ -139,7 +139,7 @@ def main() -> int:
 
     plain, fast = runs["plain"], runs["fastload"]
     identical = plain["losses"] == fast["losses"]
-    on_fastload = fast["iterator"] == "fastload.loader._FastLoaderIter"
+    on_fastload = fast["iterator"] == "fastload.iterator.FastLoaderIter"
     for loader, run in runs.items():
         print(f"\n{loader}: {run['loader']} iterating on {run['iterator']}")
         for epoch, (losses, seconds) in enumerate(zip(run["losses"], run["epoch_s"])):

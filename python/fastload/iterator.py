@@ -1,0 +1,461 @@
+"""The multi-process iterator: DataLoader's, step for step, over the ring.
+
+:class:`FastLoaderIter` mirrors ``torch.utils.data.dataloader.
+_MultiProcessingDataLoaderIter`` and does only what it does: draw indices
+from the sampler, send them to workers round-robin over the active ones,
+keep ``prefetch_factor`` tasks per worker outstanding, hand batches out in
+order (or as they come with ``in_order=False``), mark IterableDataset
+replicas that ran out, and start the next epoch of persistent workers. The
+rest belongs to its parts, each driven by it and returning what happened:
+
+* :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
+* :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
+* :class:`fastload.reader.SlotReader`: a done slot back into a batch;
+* :class:`fastload.warm.LoaderState` (the loader's): the pool, kept warm.
+
+NOTE [ Ordering ]
+Batch ``n`` goes to the next active worker in round-robin order, as in
+DataLoader (some datasets rely on it), into the lowest free slot. Results
+are handed out by batch number, not by slot, so a slot the loop still holds
+never blocks a later batch. With ``prefetch_factor > 1`` the refill task of
+a delivered batch is sent at the start of the next ``__next__``, when the
+loop has dropped the batch before it, so the task can reuse that batch's
+slot: the ring then commits ``num_workers * prefetch_factor + 1`` slots of
+memory, not one more (a slot keeps its pages once written). Its index is
+drawn when DataLoader draws it, so a sampler that raises does so with the
+same batch.
+
+NOTE [ Shutdown ]
+An iterator that ends normally (or is dropped mid-epoch) gives its pool back
+to the loader, warm; batches still in flight stay in the ledger as orphans
+that the next iterator waits out before its session, so no slot is freed
+under a worker. An iterator that fails (a dead or hung worker, a timeout)
+stops its workers for good and raises the same error at every later
+``next()``. Persistent workers end with the iterator. Either way, slots
+still leased by the loop stay mapped until their last view dies.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch.utils.data import DataLoader, _DatasetKind
+from torch.utils.data._utils.pin_memory import pin_memory
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from . import crossing, resume
+from .device import DevicePrefetcher
+from .ledger import Record, Role
+from .pool import WorkerPool, default_context
+from .reader import SlotReader
+from .supervisor import Supervisor, WorkerLost, restart_session
+from .warm import LoaderState
+from .wire import KIND_EXHAUSTED, encode_fetch
+
+log = logging.getLogger("fastload")
+
+_NO_INDEX = object()  # _try_put_index: draw the next index from the sampler
+_POLL_S = 0.1  # how often a waiting main process checks worker liveness
+
+
+class FastLoaderIter(_BaseDataLoaderIter):
+    """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
+
+    def __init__(self, loader: DataLoader, state: LoaderState, *, stream_ops: Any = None,
+                 device_runtime: Any = None) -> None:
+        """``state``: fastload's state for ``loader``; ``stream_ops`` and
+        ``device_runtime``: device prefetch and ring pinning (None: off)."""
+        saved = self._saved = state.take_resume()
+        first_start = None
+        if saved is None:
+            first_start = resume.epoch_start(loader, None, True)
+        super().__init__(loader)  # draws the base seed as any iter() does (NOTE [ Resume ])
+        if saved is not None:
+            self._base_seed = saved["base_seed"]
+        else:
+            first_start["base_seed"] = self._base_seed  # type: ignore[index]
+        self._first_start = first_start
+        self._book = resume.ResumeBook(self._num_workers)
+        self._finished = False
+        self._drawn = 0
+        self._skip_draw: set = set()
+        self._skip_send: set = set()
+        self._cycle_next = 0
+        state.live_iterator = weakref.ref(self)
+        opts = state.options
+        self._prefetch_factor: int = loader.prefetch_factor  # type: ignore[assignment]
+        self._in_order = getattr(loader, "in_order", True)
+        if self._prefetch_factor <= 0:
+            raise AssertionError("prefetch_factor must be greater than 0 for multi-process loading")
+        self._state_ref = weakref.ref(state)
+        self._held_batches = opts.held_batches
+        self._pool: Optional[WorkerPool] = None
+        self._owner_pid = os.getpid()
+        self._shutdown = False
+        self._fatal: Optional[str] = None
+        self._hang_timeout = opts.hang_timeout
+        self._epoch = 0
+        self._task_info: dict = {}
+        self._prefetcher = DevicePrefetcher(stream_ops) if stream_ops is not None else None
+        if stream_ops is not None and opts.device is not None and opts.device.type == "cuda":
+            # Overlapping the copy needs pinned memory: pin the ring too.
+            self._pin_memory = True
+            self._pin_memory_device = "cuda"
+        self._blob, ctx, inherited = crossing.pack_session(
+            (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
+             self._auto_collation, self._drop_last),
+            loader.multiprocessing_context or default_context(), state)
+        pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,
+                              persistent=self._persistent_workers, inherited=inherited)
+        self._pool, self._ring, self._ledger = pool, pool.ring, pool.ledger
+        if self._pin_memory and pool.pinner is None and device_runtime is not None:
+            runtime = device_runtime(self._pin_memory_device)
+            if runtime is not None:
+                pool.pin(runtime)
+        pinner = self._pinner = pool.pinner if self._pin_memory else None
+        self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
+                                  opts.held_batches, pinner)
+        self._supervisor = Supervisor(
+            pool, self._ledger, hang_timeout=opts.hang_timeout,
+            max_restarts=opts.max_worker_restarts,
+            restartable=self._dataset_kind == _DatasetKind.Map,
+            start_session=functools.partial(restart_session, pool, self._blob, self._base_seed,
+                                            self._book, self._reader))
+        workers = None
+        if saved is not None:
+            mid_epoch = saved["position"] is not None
+            workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
+            self._book.resumed([w and w[0] for w in workers],
+                               [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
+        try:
+            self._ledger.drain(self._wait_one)  # what a previous iterator left in flight
+            self._ledger.make_free(self._num_workers)
+            pool.start_session(self._blob, self._base_seed, resume=workers)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    # ---- epoch set-up ------------------------------------------------------
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if not first_iter and self._fatal is None:
+            # Tasks the previous epoch still owed (the loop broke out): DataLoader
+            # had sent them, and its workers fetch them before the new epoch,
+            # which moves a persistent worker's RNG.
+            self._pay_refills()
+        saved = self._saved if first_iter else None
+        mid_epoch = saved is not None and saved["position"] is not None
+        if first_iter and self._first_start is not None:
+            start = self._first_start
+        elif mid_epoch:
+            start = saved["epoch_start"]
+        else:
+            start = resume.epoch_start(loader, self._base_seed, False)
+        super()._reset(loader, first_iter)
+        if self._prefetcher is not None:
+            self._prefetcher.reset()
+        if self._fatal is not None:  # a persistent pool that lost a worker stays failed
+            raise RuntimeError(self._fatal)
+        if not first_iter:
+            # A persistent pool's next epoch: DataLoader waits for every
+            # worker to acknowledge _ResumeIteration; we wait out the
+            # previous epoch's batches, then tag tasks with the new epoch.
+            self._release_unclaimed()
+            self._ledger.drain(self._wait_one)
+            self._epoch += 1
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._task_info = {}
+        self._tasks_outstanding = 0
+        self._owed: List[Any] = []  # indices drawn for tasks not sent yet (_process_data)
+        self._sampler_done = False
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._finished = False
+        self._drawn = 0
+        first_worker, replay = 0, None
+        if mid_epoch:
+            first_worker, replay = self._fast_forward(saved, loader)
+        else:
+            self._book.new_epoch(start)
+        self._worker_queue_idx_cycle = itertools.cycle(
+            [*range(first_worker, self._num_workers), *range(first_worker)])
+        try:
+            for _ in range(self._prefetch_factor * self._num_workers):
+                self._try_put_index()
+        finally:
+            if replay is not None:
+                replay.done()
+
+    def _fast_forward(self, saved: dict, loader: Any) -> Tuple[int, resume.Replay]:
+        """A resumed epoch: draw the order again from the saved state and skip
+        the delivered batches' indices; returns the worker the first
+        undelivered batch goes to, and the replay to end once the pipeline
+        is primed (NOTE [ Resume ])."""
+        first, ahead = saved["position"], saved["delivered_ahead"]
+        resume.draw_as_usual(self._sampler_iter)
+        replay = resume.Replay(saved["epoch_start"])
+        replay.rewind(loader)
+        self._sampler_iter = iter(self._index_sampler)
+        self._book.new_epoch(saved["epoch_start"], first, ahead)
+        for _ in range(first):
+            try:
+                _BaseDataLoaderIter._next_index(self)
+            except StopIteration:
+                self._sampler_done = True
+                break
+        self._drawn = self._send_idx = self._rcvd_idx = self._num_yielded = first
+        self._skip_draw, self._skip_send = set(ahead), set(ahead)
+        self._workers_status = list(saved["workers_active"])
+        return int(saved["next_worker"]), replay
+
+    def _next_index(self) -> Any:
+        """The sampler's next index; a resumed epoch skips those of batches
+        delivered before the state was saved."""
+        while self._drawn in self._skip_draw:
+            self._skip_draw.discard(self._drawn)
+            self._drawn += 1
+            super()._next_index()
+        index = super()._next_index()
+        self._drawn += 1
+        return index
+
+    def _release_unclaimed(self) -> None:
+        """Free the slots of results nobody will take (their batches were skipped)."""
+        for rec in self._task_info.values():
+            if rec.done:
+                self._ledger.discard(rec)
+        self._task_info = {}
+
+    # ---- sending -----------------------------------------------------------
+    def _try_put_index(self, index: Any = _NO_INDEX) -> None:
+        """DataLoader's: send the sampler's next index (or ``index``, drawn
+        earlier) to the next active worker."""
+        max_tasks = self._prefetch_factor * self._num_workers
+        if self._tasks_outstanding >= max_tasks:
+            raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
+        if index is _NO_INDEX:
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._sampler_done = True
+                return
+        for _ in range(self._num_workers):  # find the next active worker, if any
+            worker_queue_idx = next(self._worker_queue_idx_cycle)
+            self._cycle_next = (worker_queue_idx + 1) % self._num_workers
+            if self._workers_status[worker_queue_idx]:
+                if self._in_order:
+                    break
+                elif self._workers_num_tasks[worker_queue_idx] < max_tasks // sum(
+                    self._workers_status
+                ):
+                    break
+        else:
+            return
+        while self._send_idx in self._skip_send:  # delivered before a resume
+            self._skip_send.discard(self._send_idx)
+            self._send_idx += 1
+        rec = self._ledger.assign(Role.BATCH, worker_queue_idx,
+                                  encode_fetch(self._epoch, self._send_idx, index),
+                                  idx=self._send_idx, index=index)
+        self._task_info[self._send_idx] = rec
+        self._workers_num_tasks[worker_queue_idx] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _pay_refills(self) -> None:
+        """Send the tasks :meth:`_process_data` deferred (NOTE [ Ordering ])."""
+        while self._owed:
+            self._try_put_index(self._owed.pop(0))
+
+    # ---- receiving ---------------------------------------------------------
+    def _wait_one(self, deadline: Optional[float] = None) -> Optional[Record]:
+        """One round of waiting: a completed record, or None after up to
+        _POLL_S with the workers checked (NOTE [ Supervision ])."""
+        wait = _POLL_S
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        rec = self._ledger.wait(wait)
+        if rec is not None:
+            return rec
+        try:
+            self._supervisor.check()
+        except WorkerLost as lost:
+            self._fatal = str(lost.error)
+            self._shutdown_workers()
+            raise lost.error from None
+        if deadline is not None and time.monotonic() >= deadline:
+            self._fail(f"DataLoader timed out after {self._timeout} seconds")
+        return None
+
+    def _receive_one(self, deadline: Optional[float]) -> Record:
+        """Block until some batch of this iterator has a result."""
+        while True:
+            rec = self._wait_one(deadline)
+            if rec is not None and rec.role is Role.BATCH:
+                return rec
+
+    def _fail(self, msg: str) -> None:
+        """A timeout ends the epoch: stop the workers and raise now and at
+        every later next()."""
+        self._fatal = msg
+        self._shutdown_workers()
+        raise RuntimeError(msg)
+
+    def _next_data(self) -> Any:
+        if self._prefetcher is not None:
+            return self._prefetcher.next(self._next_host_batch)
+        return self._next_host_batch()
+
+    def _next_host_batch(self) -> Any:
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
+        self._pay_refills()  # before the end-of-epoch check below
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            # Skip tasks of workers that ended (IterableDataset) with no result.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx, None)
+                if info:
+                    if info.done or self._workers_status[info.worker]:
+                        break
+                    del self._task_info[self._rcvd_idx]  # its EXHAUSTED result is freed on arrival
+                self._rcvd_idx += 1
+            else:
+                self._finished = True
+                if not self._persistent_workers:
+                    self._hand_back_pool()
+                raise StopIteration
+
+            rec = self._task_info[self._rcvd_idx]
+            if rec.done:
+                del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+                return self._deliver(rec)
+
+            if self._shutdown or self._tasks_outstanding <= 0:
+                raise AssertionError("Invalid iterator state: no outstanding tasks")
+            got = self._receive_one(deadline)
+            self._tasks_outstanding -= 1
+            if got.kind == KIND_EXHAUSTED:
+                self._ledger.discard(got)
+                if self._task_info.get(got.idx) is got:
+                    del self._task_info[got.idx]
+                if self._workers_status[got.worker]:
+                    self._workers_status[got.worker] = False
+                    self._try_put_index()
+                continue
+            if self._task_info.get(got.idx) is not got:
+                self._ledger.discard(got)  # a task skipped above: nobody wants it
+                continue
+            if got.idx != self._rcvd_idx:
+                if not self._in_order:
+                    del self._task_info[got.idx]
+                    return self._deliver(got)
+                continue  # stays in its slot until its turn
+            del self._task_info[got.idx]
+            self._rcvd_idx += 1
+            return self._deliver(got)
+
+    def _deliver(self, rec: Record) -> Any:
+        data = self._process_data(rec)
+        if (self._sampler_done and not self._persistent_workers and not self._task_info
+                and not self._owed and self._tasks_outstanding == 0):
+            # That was the epoch's last batch: give the pool back now, not at
+            # the StopIteration that a loop stopping after len(loader) batches
+            # (Lightning's does) never asks for; the next iter() finds it warm.
+            self._hand_back_pool()
+        return data
+
+    def _process_data(self, rec: Record) -> Any:
+        self._workers_num_tasks[rec.worker] -= 1
+        try:
+            data = self._reader.take(rec)
+        finally:
+            self._book.taken(rec.worker, rec.idx, self._reader.snapshot, self._num_yielded)
+            state = self._state_ref()
+            if state is not None:
+                state.learn(self._reader.largest_batch)
+            if self._prefetch_factor > 1:
+                # NOTE [ Ordering ]: the refill goes out at the next __next__;
+                # its index is drawn now, as DataLoader draws it.
+                try:
+                    self._owed.append(self._next_index())
+                except StopIteration:
+                    self._sampler_done = True
+            else:  # each worker would idle: send it at once, as DataLoader does
+                self._try_put_index()
+        if self._pin_memory:
+            if self._pinner is not None:  # views of a registered slot stay as they are
+                data = self._pinner.pin(data)
+            else:  # no host-register call: copy as DataLoader's pin thread does
+                data = pin_memory(data, self._pin_memory_device)
+        return data
+
+    # ---- resume (NOTE [ Resume ]) -----------------------------------------
+    def resume_state(self) -> Dict[str, Any]:
+        """This iterator's position, for ``FastLoader.state_dict()``."""
+        if self._fatal is not None:
+            raise RuntimeError(f"state_dict: the loader's iterator failed: {self._fatal}")
+        book = self._book
+        book.fold(self._num_yielded)
+        persistent = self._persistent_workers
+        if self._finished:
+            return {"position": None, "base_seed": self._base_seed if persistent else None,
+                    "workers": book.worker_states() if persistent else [None] * self._num_workers}
+        first = book.first_undelivered
+        rec = self._task_info.get(first)
+        return {
+            "position": first, "delivered_ahead": book.ahead(),
+            "epoch_start": book.start, "base_seed": self._base_seed,
+            "next_worker": rec.worker if rec is not None else self._cycle_next,
+            "workers_active": list(self._workers_status), "workers": book.worker_states(),
+        }
+
+    # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
+    def _hand_back_pool(self) -> None:
+        """End of this iterator: give a healthy pool back to the loader, warm."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        pool = self._pool
+        if pool is None:
+            return
+        state = self._state_ref()
+        if state is None or self._persistent_workers or not pool.alive:
+            self._pool = None
+            pool.shutdown()
+            return
+        self._release_unclaimed()
+        self._pool = None
+        self._ledger.orphan_batches()
+        state.keep_idle_pool(pool)
+
+    def _shutdown_workers(self) -> None:
+        """Stop the workers for good (an error, or the end of a persistent iterator)."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            # A forked child collecting its inherited copy: the pool, its
+            # slots and workers are the parent's (pool._stop closes our fds).
+            return
+        try:
+            if getattr(self, "_persistent_workers", True):
+                self._shutdown_workers()
+            else:
+                self._hand_back_pool()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+

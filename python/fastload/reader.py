@@ -1,0 +1,201 @@
+"""Main side of the batch wire format: a done slot back into a batch.
+
+:class:`SlotReader` is the reading half of :class:`fastload.serialize.SlotWriter`
+(the layout is described there): it turns a slot a worker committed into the
+batch, or raises the error the worker sent. Its rule for memory is the point
+of fastload: the batch's tensors *view* the slot (a lease; the slot goes back
+to the workers when the last view dies), unless the training loop already
+holds ``held_batches`` batches, in which case the batch is copied out and
+the slot freed at once, so the workers never run out of slots to fill.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .errors import add_note, as_list, short_list
+from .ledger import Record, SlotLedger
+from .resume import split_trailer
+from .serialize import DTYPES, META_WITH_TABLES
+from .wire import FLAG_OVERFLOW, KIND_ERROR
+
+
+class SlotReader:
+    """Reads done batch slots of one ring for one iterator.
+
+    ``recv_overflow(worker, seq)`` gets the fd of a batch's overflow segment
+    (the pool's sockets); ``pinner``, when the ring is pinned, hands out
+    leases registered with the device runtime.
+    """
+
+    def __init__(self, ring: Any, ledger: SlotLedger, recv_overflow: Callable[[int, int], int],
+                 held_batches: int, pinner: Any = None) -> None:
+        self._ring = ring
+        self._ledger = ledger
+        self._recv_overflow = recv_overflow
+        self._held_batches = held_batches
+        self._pinner = pinner
+        self.largest_batch = 0  # bytes of the largest batch read, to size slots
+        # The resume capture that came with the batch last taken (pickled; see
+        # fastload.resume): the worker's state when it had made that batch.
+        self.snapshot: Optional[bytes] = None
+
+    def take(self, rec: Record) -> Any:
+        """The batch in ``rec``'s slot (or its error, raised); the slot is
+        leased to the batch's tensors or freed."""
+        ring = self._ring
+        self._ledger.taken(rec)
+        kind, data_len, meta_off, meta_len = ring.result(rec.slot)
+        self.snapshot = None
+        if kind == KIND_ERROR:
+            try:
+                error, self.snapshot = split_trailer(self._bytes(rec.slot, meta_len))
+                wrapper = pickle.loads(error)
+            finally:
+                ring.release(rec.slot)
+            wrapper.reraise()
+        overflow: Optional[mmap.mmap] = None
+        meta: Any = None
+        lease_len = meta_off + meta_len  # the slot holds data then meta
+        if kind & FLAG_OVERFLOW:
+            overflow = self._map_overflow(rec)
+            meta = memoryview(overflow)[meta_off : meta_off + meta_len]
+            lease_len = data_len  # the meta lies in the overflow segment
+        self.largest_batch = max(self.largest_batch,
+                                 lease_len + (len(overflow) if overflow is not None else 0))
+        if lease_len == 0:
+            ring.release(rec.slot)
+            return _read(rec, meta, [None, overflow])
+        lease = (self._pinner.lease(rec.slot, lease_len) if self._pinner is not None
+                 else ring.lease(rec.slot, lease_len))
+        if meta is None:
+            meta = memoryview(lease)[meta_off : meta_off + meta_len]
+        meta, self.snapshot = split_trailer(meta)
+        if self._ledger.live_leases() <= self._held_batches:
+            return _read(rec, meta, [lease, overflow])
+        # The loop keeps batches alive: copy this one out so workers keep
+        # enough slots to fill (never a deadlock, never an overwrite).
+        meta = bytes(meta)
+        copy = torch.frombuffer(lease, dtype=torch.uint8)[:data_len].clone() if data_len else None
+        del lease  # frees the slot now
+        return _read(rec, meta, [copy, overflow])
+
+    def peek_snapshot(self, rec: Record) -> Optional[bytes]:
+        """The resume capture of a done batch still in its slot, left there
+        (None if its meta lies in an overflow segment)."""
+        kind, _data_len, meta_off, meta_len = self._ring.result(rec.slot)
+        if kind & FLAG_OVERFLOW:
+            return None
+        return split_trailer(self._bytes(rec.slot, meta_off + meta_len)[meta_off:])[1]
+
+    def _bytes(self, slot: int, n: int) -> bytes:
+        region = self._ring.payload_region()
+        start = slot * self._ring.slot_bytes
+        return bytes(memoryview(region)[start : start + n])
+
+    def _map_overflow(self, rec: Record) -> mmap.mmap:
+        fd = self._recv_overflow(rec.worker, rec.seq)
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+
+def _read(rec: Record, meta: Any, buffers: List[Any]) -> Any:
+    """read_batch; an error (e.g. an object that cannot be unpickled here)
+    keeps its type and message and gets a note naming the batch."""
+    try:
+        return read_batch(meta, buffers)
+    except Exception as e:
+        add_note(e, f"fastload: raised while rebuilding batch {rec.idx} (sample indices "
+                   f"{short_list(as_list(rec.index))}) in the main process")
+        raise
+
+
+def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor,
+                        offsets: torch.Tensor) -> torch.Tensor:
+    """A nested tensor over ``values`` (1-D, contiguous), no copy.
+
+    torch's nested view reads its buffer from the start of the buffer's
+    storage, and values viewing a slot start inside the slot's storage: it
+    gets a storage of its own over the same bytes (which keeps the slot's
+    alive through numpy's reference).
+    """
+    if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
+        values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
+    return torch._nested_view_from_buffer(values, sizes, strides, offsets)
+
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
+                 deferred: Optional[List[tuple]]) -> None:
+        super().__init__(f, buffers=buffers)
+        self._bases = bases
+        self._deferred = deferred
+        self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
+        self._memo: Dict[int, torch.Tensor] = {}
+
+    def persistent_load(self, pid: tuple) -> torch.Tensor:
+        if len(pid) == 1:
+            pid = self._deferred[pid[0]]  # type: ignore[index]
+        t = self._memo.get(pid[-1])
+        if t is None:
+            if pid[0] is None:
+                t = _nested_from_buffer(*pid[1:-1])
+            else:
+                t = self._build(*pid[:-1])
+            self._memo[pid[-1]] = t
+        return t
+
+    def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
+               extent: int, requires_grad: bool) -> torch.Tensor:
+        if type(dtype) is int:
+            dtype = DTYPES[dtype]
+        if extent == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            u8 = self._u8[buf]
+            if u8 is None:
+                base = self._bases[buf]
+                if not isinstance(base, torch.Tensor):
+                    base = torch.frombuffer(base, dtype=torch.uint8)
+                u8 = self._u8[buf] = base
+            t = u8[off : off + extent].view(dtype).as_strided(shape, stride)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
+
+
+def read_batch(meta: Any, bases: List[Any]) -> Any:
+    """Main side: rebuild a batch from ``meta`` whose tensors view ``bases``.
+
+    ``bases[0]`` is the slot's data (a leased Region or a copy of it),
+    ``bases[1]`` the overflow mapping if any. The result keeps the bases
+    alive for as long as any of its tensors or arrays is.
+    """
+    mv = memoryview(meta)
+    head, body = bytes(mv[:1]), mv[1:]
+    buffers = None
+    deferred = None
+    if head == META_WITH_TABLES:
+        descs, deferred, body = pickle.loads(body)
+        if descs:
+            views = [_bytes_view(b) for b in bases]
+            buffers = [views[b][off : off + n] if n else memoryview(bytearray())
+                       for b, off, n in descs]
+    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred).load()
+
+
+def _bytes_view(base: Any) -> Optional[memoryview]:
+    if base is None:
+        return None
+    if isinstance(base, torch.Tensor):
+        return memoryview(base.numpy()).cast("B")  # type: ignore[no-any-return]
+    return memoryview(base).cast("B")

@@ -1,0 +1,183 @@
+"""Watching the workers: deaths, hangs, and restarts.
+
+NOTE [ Supervision ]
+The main process never blocks on a worker for long: the iterator waits on
+the ring in short rounds and, between rounds, calls :meth:`Supervisor.check`.
+It looks for
+
+* **dead workers** (any exit, any signal): the epoch ends with DataLoader's
+  message for the worker (its last words if it died starting up) and the
+  batches it held; or, with ``max_worker_restarts``, the worker is replaced
+  (:meth:`Supervisor.restart`);
+* **hung workers**: each worker bumps a progress counter in the ring at
+  every pop and commit. A worker that should be working (it holds a batch,
+  or has one queued: a worker stopped between two tasks holds up the epoch
+  as surely as one stuck inside one) and whose counter has not moved for
+  ``hang_timeout`` seconds is asked for its Python stack, killed, and then
+  reported (:class:`fastload.WorkerHangError`) or restarted. A warning is
+  logged at half the timeout.
+
+A restart keeps what the dead worker committed, takes back the slots of
+its unfinished batches and queues them again, in batch order, for a new
+process with the same worker id and seeds, after its session task. Batch
+numbers and indices do not change, so delivery stays exactly once and in
+order. Exceptions raised by ``dataset[i]`` are results, not failures: they
+are never retried.
+
+The supervisor acts on the pool and the ledger and reports a failure by
+raising :class:`WorkerLost`; it never calls back into the iterator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import resume
+from .errors import WorkerHangError, as_list, short_list
+from .ledger import Record, Role, SlotLedger
+from .pool import WorkerPool, describe_exit
+
+log = logging.getLogger("fastload")
+
+
+class WorkerLost(Exception):
+    """A worker died or hung and the epoch cannot go on; ``error`` is what
+    the training loop gets."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def describe_batch(rec: Optional[Record]) -> str:
+    if rec is None or rec.role is not Role.BATCH:
+        return "its session set-up (unpickling the dataset, worker_init_fn)"
+    return f"batch {rec.idx} of this epoch (indices {short_list(as_list(rec.index))})"
+
+
+class Supervisor:
+    """Deaths, hangs and restarts of one pool's workers, for one iterator.
+
+    ``start_session(worker)`` starts the session of a replacement worker
+    (the iterator's dataset and seeds) and returns its record; ``restartable``
+    is False where a new replica cannot continue a dead one's work (an
+    IterableDataset would repeat its stream).
+    """
+
+    def __init__(self, pool: WorkerPool, ledger: SlotLedger, *, hang_timeout: Optional[float],
+                 max_restarts: int, restartable: bool,
+                 start_session: Callable[[int], Record]) -> None:
+        self._pool = pool
+        self._ledger = ledger
+        self._ring = pool.ring
+        self.hang_timeout = hang_timeout
+        self.restarts_left = max_restarts
+        self._restartable = restartable
+        self._start_session = start_session
+        self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
+
+    def check(self) -> None:
+        """Look at every worker once; raise :class:`WorkerLost` to end the epoch."""
+        self._check_deaths()
+        self._check_hangs()
+
+    def can_restart(self, n: int) -> bool:
+        return self._restartable and self.restarts_left >= n
+
+    # ---- deaths --------------------------------------------------------------
+    def _check_deaths(self) -> None:
+        dead = self._pool.dead_workers()
+        if not dead:
+            return
+        if self.can_restart(len(dead)):
+            for wid, pid, code in dead:
+                self.restart(wid, describe_exit(pid, code).strip())
+            return
+        msgs = []
+        for wid, pid, code in dead:
+            msg = describe_exit(pid, code, self._pool.death_note(wid))
+            mine = sorted((r for r in self._ledger.of_worker(wid)
+                           if r.role is Role.BATCH and not r.done), key=lambda r: r.idx)
+            if mine:
+                batches = ", ".join(str(r.idx) for r in mine)
+                msg += (f"It was making batch(es) {batches} of this epoch "
+                        f"(indices {short_list([r.index for r in mine])}). ")
+            msgs.append(msg)
+        raise WorkerLost(RuntimeError("".join(msgs).strip()))
+
+    # ---- hangs ---------------------------------------------------------------
+    def _in_hand(self, w: int) -> Optional[int]:
+        """The stamp of the task worker ``w`` should be working on, if any:
+        the one it popped; else, once it has attached, its oldest queued one."""
+        seq = self._ring.worker_current_seq(w)
+        if seq is not None or self._ring.worker_pid(w) == 0:
+            return seq
+        return self._ledger.oldest_queued(w)
+
+    def _check_hangs(self) -> None:
+        if self.hang_timeout is None:
+            return
+        now = time.monotonic()
+        for w in range(self._pool.num_workers):
+            progress = self._ring.worker_progress(w)
+            seq = self._in_hand(w)
+            last = self._stall.get(w)
+            if seq is None:  # no work for it: it cannot be late
+                self._stall.pop(w, None)
+                continue
+            if last is None or last[0] != progress:
+                self._stall[w] = (progress, now, False)
+                continue
+            stalled = now - last[1]
+            what = describe_batch(self._ledger.get(seq))
+            pid = self._pool.procs[w].pid
+            if stalled >= self.hang_timeout:
+                self._hung(w, pid, what, stalled)
+            elif stalled >= self.hang_timeout / 2 and not last[2]:
+                log.warning("fastload: worker %d (pid %s) has been on %s for %.0f s "
+                            "(hang_timeout=%s)", w, pid, what, stalled, self.hang_timeout)
+                self._stall[w] = (last[0], last[1], True)
+
+    def _hung(self, w: int, pid: Optional[int], what: str, stalled: float) -> None:
+        stack = self._pool.worker_stack(w)
+        self._pool.procs[w].kill()  # no grace period for a hung worker
+        self._stall.pop(w, None)
+        if self.can_restart(1):
+            log.warning("fastload: worker %d (pid %s) hung on %s; its stack:\n%s",
+                        w, pid, what, stack)
+            self.restart(w, f"no progress for {stalled:.0f} s")
+            return
+        raise WorkerLost(WorkerHangError(
+            f"DataLoader worker {w} (pid {pid}) made no progress for {stalled:.0f} s "
+            f"on {what} (hang_timeout={self.hang_timeout}). Its Python stack:\n{stack}"))
+
+    # ---- restarts ------------------------------------------------------------
+    def restart(self, w: int, cause: str) -> None:
+        """Replace worker ``w`` and have it make its unfinished batches again."""
+        self.restarts_left -= 1
+        log.warning("fastload: restarting worker %d (%s); %d restart(s) left", w, cause,
+                    self.restarts_left)
+        self._pool.replace_worker(w)  # the old process is gone when this returns
+        redo = self._ledger.reclaim_worker(w)
+        self._start_session(w)
+        for rec in redo:
+            self._ledger.reassign(rec, w)
+
+
+def restart_session(pool: WorkerPool, blob: Any, base_seed: int, book: resume.ResumeBook,
+                    reader: Any, worker: int) -> Record:
+    """The session of a replacement worker, its generators put back to where
+    the dead one's were after its last finished batch, so the batches it
+    makes again are the ones the dead worker would have made (see
+    NOTE [ Resume ] in fastload.resume)."""
+    finished = [r for r in pool.ledger.of_worker(worker) if r.role is Role.BATCH and
+                (r.done or pool.ring.is_ready(r.slot, r.seq))]
+    snapshot = book.made[worker]
+    if finished:
+        snapshot = reader.peek_snapshot(max(finished, key=lambda r: r.idx))
+    states: List[Any] = [None] * pool.num_workers
+    if snapshot is not None:
+        states[worker] = (tuple(resume.decode(snapshot)), 0)
+    return pool.start_session(blob, base_seed, [worker], resume=states)[0]

@@ -1,0 +1,189 @@
+"""What a loader keeps between its iterators: a warm pool, a spare zygote,
+and the batch size it learned.
+
+Starting workers costs seconds (a new interpreter importing torch). A
+loader therefore keeps its pool after an epoch (``reuse_workers``) and the
+next iterator starts a new *session* on it (dataset re-sent, workers
+reseeded as DataLoader's fresh workers would be); the zygote a loader starts
+at construction waits here until the first pool takes it. Slots are sized
+from the largest batch seen, so a second epoch gets slots that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from . import _core
+from .device import CudaStreamOps, StreamOps, resolve_device
+from .launch import Zygote
+from .pinning import DeviceRuntime, cuda_runtime_or_none
+from .pool import ZYGOTE, WorkerPool, start_zygote
+
+_MIN_SLOT_BYTES = 1 << 20
+_DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
+_DEFAULT_SLOT_BYTES_SHM = 16 << 20  # the shm fallback reserves every page up front
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """fastload's own loader options, checked on construction (see FastLoader)."""
+
+    allow_gpu_in_workers: bool = False
+    slot_bytes: Optional[int] = None
+    held_batches: int = 4
+    reuse_workers: bool = True
+    hang_timeout: Optional[float] = 300.0
+    max_worker_restarts: int = 0
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        slot_bytes, hang_timeout = self.slot_bytes, self.hang_timeout
+        max_worker_restarts, held_batches = self.max_worker_restarts, self.held_batches
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+            raise ValueError(f"slot_bytes option should be a positive int, but got {slot_bytes!r}")
+        if hang_timeout is not None and (
+            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float))
+            or not hang_timeout > 0
+        ):
+            raise ValueError(
+                f"hang_timeout option should be a positive number of seconds or None, "
+                f"but got {hang_timeout!r}"
+            )
+        if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) \
+                or max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts option should be an int >= 0, "
+                             f"but got {max_worker_restarts!r}")
+        if not isinstance(held_batches, int) or held_batches < 1:
+            raise ValueError(f"held_batches option should be an int >= 1, but got {held_batches!r}")
+        # frozen: normalise through object.__setattr__
+        object.__setattr__(self, "allow_gpu_in_workers", bool(self.allow_gpu_in_workers))
+        object.__setattr__(self, "reuse_workers", bool(self.reuse_workers))
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+class LoaderState:
+    """fastload's state for one loader, kept across its iterators.
+
+    FastLoader makes one in its constructor; ``fastload.install()`` makes one
+    for a plain DataLoader when it is first iterated. The iterator reads the
+    options from it, gets its pool from it and hands the pool back to it, so
+    any DataLoader can run on fastload without new attributes of its own.
+    Copies and pickles of a loader carry the options only: worker processes
+    are not copied.
+    """
+
+    def __init__(self, options: LoaderOptions) -> None:
+        self.options = options
+        self.learned_batch_bytes = 0
+        self.idle_pool: Optional[WorkerPool] = None
+        self.spare_zygotes: List[Zygote] = []
+        self.warned_fork = False  # said that its workers fork from this process
+        self.resume: Any = None  # a fastload.resume.LoaderResume to start the next iterator from
+        self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
+
+    def __reduce__(self) -> Tuple[Any, Tuple[LoaderOptions]]:
+        return (LoaderState, (self.options,))
+
+    def take_resume(self) -> Optional[dict]:
+        """The loaded state the next iterator starts from, once (None: start
+        afresh; a state saved between epochs of a loader without persistent
+        workers is that too)."""
+        saved, self.resume = self.resume, None
+        if saved is not None and saved["position"] is None and (
+                not saved["persistent_workers"] or saved["workers"] is None):
+            return None
+        return saved
+
+    def device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
+        """The runtime that can register the ring as pinned memory, if any."""
+        return cuda_runtime_or_none(device_type)
+
+    def stream_ops(self) -> Optional[StreamOps]:
+        """Stream operations for device prefetch; None when there is nothing to do."""
+        device = self.options.device
+        if device is None or device.type == "cpu":
+            return None
+        if device.type == "cuda":
+            return CudaStreamOps(device)
+        from .device import BlockingOps
+
+        return BlockingOps(device)
+
+    def learn(self, batch_bytes: int) -> None:
+        """Remember the largest batch seen: later pools get slots that fit it."""
+        if batch_bytes > self.learned_batch_bytes:
+            self.learned_batch_bytes = batch_bytes
+
+    def slot_bytes(self, force_shm: bool) -> int:
+        slot_bytes = self.options.slot_bytes
+        if slot_bytes is None:
+            slot_bytes = _DEFAULT_SLOT_BYTES_SHM if force_shm else _DEFAULT_SLOT_BYTES
+            learned = self.learned_batch_bytes * 5 // 4
+            if learned > slot_bytes:
+                slot_bytes = -(-learned // (1 << 20)) << 20
+        return max(int(slot_bytes), _MIN_SLOT_BYTES)
+
+    def pool_for(self, ctx: Any, num_workers: int, prefetch_factor: int, *,
+                 persistent: bool, inherited: Optional[tuple]) -> WorkerPool:
+        """A pool for a new iterator: the warm one if it fits, else a new one.
+
+        Slots: one per possible task, one per worker for its session task,
+        and the batches the loop may hold.
+        """
+        opts = self.options
+        num_slots = num_workers * (prefetch_factor + 1) + opts.held_batches
+        if num_slots > _core.MAX_SLOTS:
+            raise ValueError(
+                "num_workers * (prefetch_factor + 1) + held_batches must be at most "
+                f"{_core.MAX_SLOTS}, got {num_slots}"
+            )
+        force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
+        hide = not opts.allow_gpu_in_workers
+        config = (ctx, num_workers, num_slots, self.slot_bytes(force_shm), hide, force_shm)
+        if not persistent and inherited is None:
+            pool = self._take_idle_pool(config)
+            if pool is not None:
+                return pool
+        zygote = self.take_spare_zygote(hide) if ctx == ZYGOTE else None
+        return WorkerPool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
+                          slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
+                          zygote=zygote, inherited=inherited)
+
+    def take_spare_zygote(self, hide_accelerators: bool) -> Optional[Zygote]:
+        while self.spare_zygotes:
+            zygote = self.spare_zygotes.pop()
+            if zygote.hide_accelerators == hide_accelerators:
+                return zygote
+            zygote.stop()
+        return None
+
+    def start_spare_zygote(self) -> None:
+        """Start the zygote now: it imports torch while the script builds its
+        model, so the first epoch's workers fork from a ready one."""
+        self.spare_zygotes.append(start_zygote(not self.options.allow_gpu_in_workers))
+
+    def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
+        pool, self.idle_pool = self.idle_pool, None
+        if pool is None:
+            return None
+        if pool.config == config and pool.alive:
+            return pool
+        pool.shutdown()
+        return None
+
+    def keep_idle_pool(self, pool: WorkerPool) -> None:
+        """An iterator is done with ``pool``: keep it warm if it may be reused."""
+        if (self.options.reuse_workers and self.idle_pool is None and pool.alive
+                and pool.reusable and pool.ledger.accounted_for()):
+            self.idle_pool = pool
+        else:
+            pool.shutdown()
+
+
+def stop_spare_zygotes(spare: List[Zygote]) -> None:
+    while spare:
+        spare.pop().stop()
