@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import measure, report
+from . import measure, report, resume_cost
 from .workloads import BIG, WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
 FULL = {"rounds": 3, "seconds": 3.0, "warmup": 1.0, "raw_seconds": 2.0, "short_batches": 4}
@@ -211,7 +211,7 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
     per_limits = 1 + len(chosen) * (2 if side_by_side else 1)
     total = (len([w for w in chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
-             + 2 * rounds * len(chosen) + 1)
+             + 2 * rounds * len(chosen) + 2)
     prog = Progress(total, sys.stderr, enabled=a.json != "-")
 
     def step(label: str, fn: Any) -> Any:
@@ -269,6 +269,7 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     measure.run_children(specs, 180 + 4 * (a.seconds + a.warmup), lambda i: prog.start(label(i)), done)
 
     limits_after = measure_limits("after") if not a.quick else limits_before
+    resume = step("resume: state_dict() and per-batch costs", resume_cost.measure_resume_cost)
     limits = {"memcpy_bytes_per_s": max(limits_before["memcpy_bytes_per_s"], limits_after["memcpy_bytes_per_s"]),
               **{k: {n: max(v, limits_after[k][n]) for n, v in limits_before[k].items()}
                  for k in ("raw_samples_per_s", "side_by_side_samples_per_s")},
@@ -282,9 +283,11 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     prog.close()
     machine["loadavg_end"] = list(os.getloadavg())
     res = {"machine": machine, "args": vars(a), "command": "python -m fastload.bench " + " ".join(argv or []),
-           "limits": limits, "workloads": workloads, "skipped": skipped,
+           "limits": limits, "workloads": workloads, "skipped": skipped, "resume": resume,
            "elapsed_s": time.monotonic() - t_start}
     report.print_report(res, out)
+    tiny = workloads.get("tiny", {}).get("median", {}).get("fastload", {})
+    out.write(resume_cost.report_lines(resume, tiny.get("main_cpu_ms_per_batch") or 0.0))
     return res
 
 
