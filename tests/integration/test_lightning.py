@@ -53,3 +53,28 @@ def test_lightning_ddp(tmp_path: Path) -> None:
         first, second = ranks[0]["indices"][epoch], ranks[1]["indices"][epoch]
         assert not set(first) & set(second), f"epoch {epoch}: both ranks trained on some indices"
         assert sorted(first + second) == list(range(48)), f"epoch {epoch}: the ranks miss indices"
+
+
+def test_lightning_resumes_mid_epoch(tmp_path: Path) -> None:
+    """``fit(ckpt_path=...)`` from a checkpoint taken at step 5 of a 10-step
+    epoch: Lightning saves the FastLoader's ``state_dict()`` and loads it into
+    the new loader; the resumed fit trains on exactly the batches (indices and
+    worker-drawn noise) of the never-stopped fit from step 5 on, the next
+    epoch included."""
+    resume_script = script("lightning_resume.py", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def fit(*args: str) -> list:
+        check(run([sys.executable, str(resume_script), *args, "--out", str(out)],
+                  cwd=tmp_path, timeout=600))
+        return json.loads((out / f"{args[0]}.json").read_text())["steps"]
+
+    full = fit("full")
+    stopped = fit("stop")
+    ckpt = out / "ckpt" / "epoch=0-step=5.ckpt"
+    assert ckpt.exists()
+    resumed = fit("resume", "--ckpt", str(ckpt))
+    assert len(full) == 20 and stopped == full[:7]
+    assert [s[0] for s in resumed] == list(range(5, 20))
+    assert resumed == full[5:]
