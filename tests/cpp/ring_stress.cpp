@@ -309,6 +309,7 @@ const char* state_name(SlotState s) {
     case SlotState::Writing: return "WRITING";
     case SlotState::Ready: return "READY";
     case SlotState::Leased: return "LEASED";
+    case SlotState::Committing: return "COMMITTING";
   }
   return "?";
 }
@@ -371,7 +372,7 @@ int64_t worker_timeout_ms(const Options& o, uint32_t w) {
 int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
   Checker ck("worker " + std::to_string(w) + " tid " + std::to_string(current_tid()));
   WorkerStats& st = area.stats(w);
-  ring.worker_started(w, current_tid());
+  const fastload::WorkerTicket me = ring.worker_started(w, current_tid());
   std::mt19937_64 rng(mix64(o.seed * 1000003 + w));
   const int64_t timeout_ns = worker_timeout_ms(o, w) * kMs;
   const bool lost_wakeup_detectable = timeout_ns > o.stall_ms * kMs;
@@ -382,7 +383,7 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     if (o.delay_pct > 0 && rng() % 100 < o.delay_pct / 2) sleep_us(rng() % (o.max_delay_us + 1));
     TaskRef t{};
     const int64_t t0 = monotonic_ns();
-    const WaitResult r = ring.next_task(w, timeout_ns, &t);
+    const WaitResult r = ring.next_task(me, timeout_ns, &t);
     const int64_t t1 = monotonic_ns();
     if (r == WaitResult::Shutdown) {
       st.saw_shutdown = 1;
@@ -451,8 +452,9 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     m.check = meta_check(m);
     m.commit_ns = monotonic_ns();
     std::memcpy(p + meta_offset_for(size), &m, sizeof m);
-    ring.commit(t.slot, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size),
-                                   sizeof(ResultMeta)});
+    const fastload::CommitResult cr = ring.commit(
+        t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
+    ck.check(cr == fastload::CommitResult::Committed, "seq %" PRIu64 ": commit refused", t.seq);
   }
   st.passed = ck.passed();
   st.failed = ck.failed();
