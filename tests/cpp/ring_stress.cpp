@@ -744,7 +744,8 @@ class Loader {
       area_.assign_ns()[f.seq] = monotonic_ns();
       ring_.assign(s, f.seq, f.task.worker, &f.task, sizeof f.task);
       const SlotState st = ring_.state(s);
-      ck_.require(st == SlotState::Assigned || st == SlotState::Writing || st == SlotState::Ready,
+      ck_.require(st == SlotState::Assigned || st == SlotState::Writing ||
+                      st == SlotState::Committing || st == SlotState::Ready,
                   "slot %u is %s right after assign()", s, state_name(st));
       push(f);
       ++live;
