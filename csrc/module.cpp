@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "ring.h"
 
 namespace py = pybind11;
+using fastload::CommitResult;
 using fastload::Ring;
 using fastload::SlotResult;
 using fastload::TaskRef;
@@ -77,9 +79,11 @@ class Region {
   py::object on_release_;
 };
 
-int64_t ms_to_ns(double timeout_s) {
-  if (timeout_s < 0) timeout_s = 0;
-  return static_cast<int64_t>(timeout_s * 1e9);
+// Python timeouts are seconds as floats: negative is a poll, +inf or any
+// huge value waits forever (sync::seconds_to_ns saturates), NaN is an error.
+int64_t timeout_ns(double timeout_s) {
+  if (std::isnan(timeout_s)) throw py::value_error("fastload: timeout must be a number, got nan");
+  return fastload::sync::seconds_to_ns(timeout_s);
 }
 
 // After a wait that may have been cut short by a signal: let Python raise
@@ -106,7 +110,12 @@ PYBIND11_MODULE(_core, m) {
       .value("ASSIGNED", fastload::SlotState::Assigned)
       .value("WRITING", fastload::SlotState::Writing)
       .value("READY", fastload::SlotState::Ready)
-      .value("LEASED", fastload::SlotState::Leased);
+      .value("LEASED", fastload::SlotState::Leased)
+      .value("COMMITTING", fastload::SlotState::Committing);
+
+  py::enum_<CommitResult>(m, "CommitResult")
+      .value("COMMITTED", CommitResult::Committed)
+      .value("RECLAIMED", CommitResult::Reclaimed);
 
   py::class_<Region, std::shared_ptr<Region>>(m, "Region", py::buffer_protocol())
       .def_buffer([](Region& r) {
@@ -134,6 +143,8 @@ PYBIND11_MODULE(_core, m) {
                              })
       .def("close_fd", &Ring::close_fd)
       .def("state", &Ring::state, py::arg("slot"))
+      .def("lap", &Ring::lap, py::arg("slot"),
+           "How many times the slot was assigned (a debug view).")
       .def("payload_region",
            [](const std::shared_ptr<Ring>& r) {
              return std::make_shared<Region>(r, r->payload_base(), r->payload_bytes(), -1);
@@ -164,7 +175,7 @@ PYBIND11_MODULE(_core, m) {
              WaitResult res;
              {
                py::gil_scoped_release nogil;
-               res = r.wait_ready(slot, seq, ms_to_ns(timeout_s));
+               res = r.wait_ready(slot, seq, timeout_ns(timeout_s));
              }
              check_signals();
              return res;
@@ -179,7 +190,7 @@ PYBIND11_MODULE(_core, m) {
              size_t which = 0;
              {
                py::gil_scoped_release nogil;
-               res = r.wait_any(slots.data(), seqs.data(), slots.size(), ms_to_ns(timeout_s),
+               res = r.wait_any(slots.data(), seqs.data(), slots.size(), timeout_ns(timeout_s),
                                 &which);
              }
              check_signals();
@@ -211,7 +222,13 @@ PYBIND11_MODULE(_core, m) {
       .def("shutdown", &Ring::shutdown)
       .def("is_shutdown", &Ring::is_shutdown)
       .def("reset_worker", &Ring::reset_worker, py::arg("worker"))
-      .def("reclaim", &Ring::reclaim, py::arg("slot"))
+      .def("reclaim",
+           [](Ring& r, uint32_t slot) {
+             return r.reclaim(slot) != fastload::ReclaimResult::NotInFlight;
+           },
+           py::arg("slot"),
+           "ASSIGNED/WRITING/COMMITTING -> FREE (off the free slots): True if the\n"
+           "slot was in flight; its worker's late commit() is then refused.")
       .def("worker_pid", &Ring::worker_pid, py::arg("worker"))
       .def("worker_progress", &Ring::worker_progress, py::arg("worker"))
       .def("worker_current_seq",
@@ -222,14 +239,16 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("worker"))
       // worker process
-      .def("worker_started", &Ring::worker_started, py::arg("worker"), py::arg("pid"))
+      .def("worker_started",
+           [](Ring& r, uint32_t worker, uint32_t pid) { r.worker_started(worker, pid); },
+           py::arg("worker"), py::arg("pid"))
       .def("next_task",
            [](Ring& r, uint32_t worker, double timeout_s) {
              WaitResult res;
-             TaskRef t{0, 0, 0};
+             TaskRef t{0, 0, 0, 0};
              {
                py::gil_scoped_release nogil;
-               res = r.next_task(worker, ms_to_ns(timeout_s), &t);
+               res = r.next_task(worker, timeout_ns(timeout_s), &t);
              }
              check_signals();
              return py::make_tuple(res, t.slot, t.seq, t.task_len);
@@ -239,8 +258,11 @@ PYBIND11_MODULE(_core, m) {
       .def("commit",
            [](Ring& r, uint32_t slot, uint32_t kind, uint64_t data_len, uint64_t meta_offset,
               uint64_t meta_len) {
-             r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len});
+             return r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len});
            },
            py::arg("slot"), py::arg("kind"), py::arg("data_len"), py::arg("meta_offset"),
-           py::arg("meta_len"));
+           py::arg("meta_len"),
+           "WRITING -> READY for the task this process took from `slot`. RECLAIMED:\n"
+           "main took the slot back first (it believed this worker dead); the\n"
+           "result is dropped and nothing was written to the slot's header.");
 }

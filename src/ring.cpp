@@ -1,6 +1,5 @@
 #include "ring.h"
 
-#include <algorithm>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -8,23 +7,26 @@
 
 namespace fastload {
 
+using sync::bump_release;
+using sync::cas_acq_rel;
 using sync::full_fence;
 using sync::load_acquire;
 using sync::load_relaxed;
+using sync::store_relaxed;
 using sync::store_release;
 
 namespace {
 
 constexpr int kSpinChecks = 64;  // brief spin before sleeping (see sync::cpu_relax)
+constexpr uint64_t kNoLap = ~0ULL;
+constexpr uint64_t kNoGeneration = ~0ULL;
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-uint32_t u32(SlotState s) { return static_cast<uint32_t>(s); }
+std::string str(uint64_t v) { return std::to_string(v); }
 
-// now + timeout_ns, saturated: INT64_MAX ("wait forever") must not overflow.
-int64_t deadline_after(int64_t timeout_ns) {
-  const int64_t now = sync::monotonic_ns();
-  return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+bool in_flight(SlotState st) {
+  return st == SlotState::Assigned || st == SlotState::Writing || st == SlotState::Committing;
 }
 
 }  // namespace
@@ -39,24 +41,30 @@ size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers) {
 Ring::Ring(Segment seg, bool owner)
     : seg_(std::move(seg)),
       base_(static_cast<char*>(seg_.data())),
-      hdr_(reinterpret_cast<ShmHeader*>(base_)) {
+      hdr_(reinterpret_cast<ShmHeader*>(base_)),
+      local_generation_(new std::atomic<uint64_t>[hdr_->num_workers]),
+      local_lap_(new std::atomic<uint64_t>[hdr_->num_slots]) {
+  for (uint32_t w = 0; w < hdr_->num_workers; ++w) store_relaxed(local_generation_[w], kNoGeneration);
+  for (uint32_t s = 0; s < hdr_->num_slots; ++s) store_relaxed(local_lap_[s], kNoLap);
   if (owner) {
-    free_slots_.reserve(hdr_->num_slots);
-    for (uint32_t i = 0; i < hdr_->num_slots; ++i) free_slots_.push_back(i);
+    std::lock_guard<std::mutex> g(free_mu_);
+    for (uint32_t s = 0; s < hdr_->num_slots; ++s) set_free_bit(s);
   }
 }
 
 std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uint64_t slot_bytes,
                                    bool force_shm) {
   if (num_slots == 0 || num_slots > kMaxSlots)
-    throw std::invalid_argument("fastload: num_slots must be in [1, " +
-                                std::to_string(kMaxSlots) + "], got " +
-                                std::to_string(num_slots));
+    throw std::invalid_argument("fastload: num_slots must be in [1, " + str(kMaxSlots) +
+                                "], got " + str(num_slots));
   if (num_workers == 0 || num_workers > kMaxWorkers)
-    throw std::invalid_argument("fastload: num_workers must be in [1, " +
-                                std::to_string(kMaxWorkers) + "], got " +
-                                std::to_string(num_workers));
+    throw std::invalid_argument("fastload: num_workers must be in [1, " + str(kMaxWorkers) +
+                                "], got " + str(num_workers));
   if (slot_bytes == 0) throw std::invalid_argument("fastload: slot_bytes must be positive");
+  // 2^40 bytes per slot: far beyond any machine, and keeps the sums below
+  // from overflowing.
+  if (slot_bytes > (uint64_t{1} << 40))
+    throw std::invalid_argument("fastload: slot_bytes of " + str(slot_bytes) + " is too large");
   slot_bytes = align_up(slot_bytes, kPayloadAlign);
   const size_t payload_off = ring_payload_offset(num_slots, num_workers);
   const size_t total = payload_off + static_cast<size_t>(slot_bytes) * num_slots;
@@ -78,31 +86,48 @@ std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uin
   auto* workers = reinterpret_cast<ShmWorker*>(base + hdr->workers_offset);
   for (uint32_t w = 0; w < num_workers; ++w) {
     new (&workers[w]) ShmWorker{};
-    workers[w].current_seq.store(kNoSeq, std::memory_order_relaxed);
+    store_relaxed(workers[w].current_seq, kNoSeq);
   }
   auto* slots = reinterpret_cast<ShmSlot*>(base + hdr->slots_offset);
-  for (uint32_t s = 0; s < num_slots; ++s) {
-    new (&slots[s]) ShmSlot{};
-    slots[s].done_seq.store(kNoSeq, std::memory_order_relaxed);
-  }
+  for (uint32_t s = 0; s < num_slots; ++s) new (&slots[s]) ShmSlot{};  // FREE, lap 0
   // Publishing happens when the fd reaches a worker (a syscall, which orders
-  // these plain writes before anything the worker reads).
+  // these writes before anything the worker reads).
   return std::shared_ptr<Ring>(new Ring(std::move(seg), /*owner=*/true));
 }
 
 std::shared_ptr<Ring> Ring::attach(int fd) {
   Segment seg = Segment::attach(fd);
-  if (seg.size() < sizeof(ShmHeader))
-    throw std::runtime_error("fastload: segment too small to hold a ring header");
+  const size_t size = seg.size();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error("fastload: cannot attach the ring: " + what);
+  };
+  if (size < sizeof(ShmHeader))
+    throw bad("the segment (" + str(size) + " bytes) is too small to hold a ring header");
   const auto* hdr = static_cast<const ShmHeader*>(seg.data());
-  if (hdr->magic != kRingMagic)
-    throw std::runtime_error("fastload: segment is not a fastload ring (bad magic)");
+  if (hdr->magic != kRingMagic) throw bad("the segment is not a fastload ring (bad magic)");
   if (hdr->version != kRingVersion || hdr->header_bytes != sizeof(ShmHeader))
-    throw std::runtime_error(
-        "fastload: ring layout version mismatch between processes (two fastload builds?)");
-  if (hdr->total_bytes != seg.size() ||
-      hdr->payload_offset != ring_payload_offset(hdr->num_slots, hdr->num_workers))
-    throw std::runtime_error("fastload: ring header does not match the segment size");
+    throw bad("ring layout version " + str(hdr->version) + " (header " + str(hdr->header_bytes) +
+              " bytes) but this build uses version " + str(kRingVersion) + " (" +
+              str(sizeof(ShmHeader)) + " bytes): two fastload builds in one job?");
+  if (hdr->num_slots == 0 || hdr->num_slots > kMaxSlots)
+    throw bad("num_slots " + str(hdr->num_slots) + " is not in [1, " + str(kMaxSlots) + "]");
+  if (hdr->num_workers == 0 || hdr->num_workers > kMaxWorkers)
+    throw bad("num_workers " + str(hdr->num_workers) + " is not in [1, " + str(kMaxWorkers) + "]");
+  if (hdr->slot_bytes == 0 || hdr->slot_bytes % kPayloadAlign != 0 ||
+      hdr->slot_bytes > (uint64_t{1} << 40))
+    throw bad("slot_bytes " + str(hdr->slot_bytes) + " is not a positive multiple of " +
+              str(kPayloadAlign));
+  const uint64_t workers_off = align_up(sizeof(ShmHeader), kCacheLine);
+  const uint64_t slots_off = workers_off + sizeof(ShmWorker) * hdr->num_workers;
+  const uint64_t payload_off = ring_payload_offset(hdr->num_slots, hdr->num_workers);
+  if (hdr->workers_offset != workers_off || hdr->slots_offset != slots_off ||
+      hdr->payload_offset != payload_off)
+    throw bad("the header's offsets do not match its geometry (corrupt header)");
+  // No overflow: slot_bytes <= 2^40 and num_slots <= 1024.
+  const uint64_t total = payload_off + hdr->slot_bytes * hdr->num_slots;
+  if (hdr->total_bytes != total || total != size)
+    throw bad("the header says " + str(hdr->total_bytes) + " bytes (geometry: " + str(total) +
+              ") but the segment has " + str(size));
   return std::shared_ptr<Ring>(new Ring(std::move(seg), /*owner=*/false));
 }
 
@@ -116,12 +141,12 @@ ShmWorker& Ring::worker(uint32_t i) const {
 
 void Ring::check_slot(uint32_t i) const {
   if (i >= hdr_->num_slots)
-    throw std::out_of_range("fastload: slot " + std::to_string(i) + " out of range");
+    throw std::out_of_range("fastload: slot " + str(i) + " out of range");
 }
 
 void Ring::check_worker(uint32_t i) const {
   if (i >= hdr_->num_workers)
-    throw std::out_of_range("fastload: worker " + std::to_string(i) + " out of range");
+    throw std::out_of_range("fastload: worker " + str(i) + " out of range");
 }
 
 char* Ring::payload(uint32_t s) const {
@@ -131,64 +156,103 @@ char* Ring::payload(uint32_t s) const {
 
 SlotState Ring::state(uint32_t s) const {
   check_slot(s);
-  return static_cast<SlotState>(load_acquire(slot(s).state));
+  return word_state(load_acquire(slot(s).state));
 }
 
-// ---- main process ---------------------------------------------------------
+uint64_t Ring::lap(uint32_t s) const {
+  check_slot(s);
+  return word_lap(load_acquire(slot(s).state));
+}
+
+// ---- main process: the free bitmap ----------------------------------------
+
+void Ring::set_free_bit(uint32_t s) {
+  free_bits_[s / 64] |= uint64_t{1} << (s % 64);
+  ++free_count_;
+}
 
 bool Ring::pop_free_slot(uint32_t* s, bool highest) {
   std::lock_guard<std::mutex> g(free_mu_);
-  if (free_slots_.empty()) return false;
+  if (free_count_ == 0) return false;
   // Batches take the lowest free slot, always: a slot's pages stay committed
   // once a batch was written there, so batches keep to the fewest distinct
-  // slots the pipeline needs at once (a stack drifts over one more as frees
-  // and pops interleave). Tasks that write no batch (sessions) take the
-  // highest, out of the batches' way. num_slots entries, tens: a scan is cheap.
-  auto pick = highest ? std::max_element(free_slots_.begin(), free_slots_.end())
-                      : std::min_element(free_slots_.begin(), free_slots_.end());
-  *s = *pick;
-  *pick = free_slots_.back();
-  free_slots_.pop_back();
+  // slots the pipeline needs at once. Tasks that write no batch (sessions)
+  // take the highest, out of the batches' way.
+  constexpr uint32_t kWords = kMaxSlots / 64;
+  const uint32_t words = (hdr_->num_slots + 63) / 64;
+  uint32_t found = kMaxSlots;
+  for (uint32_t k = 0; k < words && found == kMaxSlots; ++k) {
+    const uint32_t i = highest ? words - 1 - k : k;
+    const uint64_t bits = free_bits_[i];
+    if (bits == 0) continue;
+    found = i * 64 + (highest ? 63 - static_cast<uint32_t>(__builtin_clzll(bits))
+                              : static_cast<uint32_t>(__builtin_ctzll(bits)));
+  }
+  static_assert(kWords * 64 == kMaxSlots, "bitmap size");
+  if (found == kMaxSlots) throw std::logic_error("fastload: free bitmap count is wrong");
+  if (word_state(load_acquire(slot(found).state)) != SlotState::Free)
+    throw std::logic_error("fastload: slot " + str(found) + " is on the free bitmap but not FREE");
+  free_bits_[found / 64] &= ~(uint64_t{1} << (found % 64));
+  --free_count_;
+  *s = found;
   return true;
 }
 
 void Ring::push_free_slot(uint32_t s) {
   check_slot(s);
-  if (load_acquire(slot(s).state) != u32(SlotState::Free))
+  if (word_state(load_acquire(slot(s).state)) != SlotState::Free)
     throw std::logic_error("fastload: push_free_slot() of a slot that is not FREE");
   std::lock_guard<std::mutex> g(free_mu_);
-  free_slots_.push_back(s);
+  if (free_bits_[s / 64] & (uint64_t{1} << (s % 64)))
+    throw std::logic_error("fastload: push_free_slot() of slot " + str(s) +
+                           ", which is already free");
+  set_free_bit(s);
 }
 
 size_t Ring::free_slot_count() const {
   std::lock_guard<std::mutex> g(free_mu_);
-  return free_slots_.size();
+  return free_count_;
 }
+
+// ---- main process: tasks --------------------------------------------------
 
 void Ring::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t task_len) {
   check_slot(s);
   check_worker(w);
   ShmSlot& sl = slot(s);
-  if (load_acquire(sl.state) != u32(SlotState::Free))
+  // Only main moves a slot out of FREE, so this read cannot go stale before
+  // the CAS below.
+  uint64_t word = load_acquire(sl.state);
+  if (word_state(word) != SlotState::Free)
     throw std::logic_error("fastload: assign() on a slot that is not FREE");
+  {
+    std::lock_guard<std::mutex> g(free_mu_);
+    if (free_bits_[s / 64] & (uint64_t{1} << (s % 64)))
+      throw std::logic_error("fastload: assign() of slot " + str(s) +
+                             " while it is on the free bitmap (take it with pop_free_slot())");
+  }
   if (task_len > hdr_->slot_bytes)
-    throw std::length_error("fastload: task of " + std::to_string(task_len) +
-                            " bytes does not fit a slot of " + std::to_string(hdr_->slot_bytes) +
+    throw std::length_error("fastload: task of " + str(task_len) +
+                            " bytes does not fit a slot of " + str(hdr_->slot_bytes) +
                             " bytes (raise slot_bytes)");
-  if (task_len > 0) std::memcpy(payload(s), task, task_len);
-  sl.worker = w;
-  sl.seq = seq;
-  sl.task_len = task_len;
-  // The worker reads worker/seq/task and the payload after its acquire of
-  // the queue tail, which follows this release.
-  store_release(sl.state, u32(SlotState::Assigned));
-
   ShmWorker& q = worker(w);
   const uint32_t tail = load_relaxed(q.tail);  // only main writes tail
-  q.entries[tail & (kMaxSlots - 1)] = s;
-  // The worker sees the entry (and the slot fields above) once it sees tail+1.
+  if (tail - load_acquire(q.head) >= kMaxSlots)
+    throw std::logic_error("fastload: the queue of worker " + str(w) + " is full");
+  if (task_len > 0) std::memcpy(payload(s), task, task_len);
+  store_relaxed(sl.worker, w);
+  store_relaxed(sl.seq, seq);
+  store_relaxed(sl.task_len, static_cast<uint64_t>(task_len));
+  const uint64_t lap = word_lap(word) + 1;
+  // Release: the fields and task bytes above reach the worker whose claim
+  // (cas_acq_rel from ASSIGNED) reads this word.
+  if (!cas_acq_rel(sl.state, word, slot_word(lap, SlotState::Assigned)))
+    throw std::logic_error("fastload: slot " + str(s) + " changed state under assign()");
+
+  store_relaxed(q.entries[tail & (kMaxSlots - 1)], queue_entry(lap, s));
+  // The worker sees the entry once it sees tail+1 (its load_acquire of tail).
   store_release(q.tail, tail + 1);
-  q.doorbell.fetch_add(1, std::memory_order_relaxed);
+  bump_release(q.doorbell);
   // Dekker with next_task(): tail/doorbell stores before the `sleeping` load.
   full_fence();
   if (load_relaxed(q.sleeping) != 0) sync::futex_wake_all(&q.doorbell);
@@ -198,8 +262,9 @@ bool Ring::is_ready(uint32_t s, uint64_t seq) const {
   check_slot(s);
   const ShmSlot& sl = slot(s);
   // Acquire pairs with commit()'s release of READY: result fields and
-  // payload are visible once this returns true.
-  return load_acquire(sl.state) == u32(SlotState::Ready) && load_acquire(sl.done_seq) == seq;
+  // payload are visible once this returns true. `seq` is main's own write
+  // (assign), and READY can only come from the lap that assign() started.
+  return word_state(load_acquire(sl.state)) == SlotState::Ready && load_relaxed(sl.seq) == seq;
 }
 
 template <class Pred>
@@ -208,7 +273,7 @@ WaitResult Ring::wait_main(Pred ready, int64_t timeout_ns) {
     if (ready()) return WaitResult::Ready;
     sync::cpu_relax();
   }
-  const int64_t deadline = deadline_after(timeout_ns);
+  const sync::Deadline deadline = sync::Deadline::after_ns(timeout_ns);
   for (;;) {
     const uint32_t seen = load_acquire(hdr_->completions);
     if (ready()) return WaitResult::Ready;
@@ -220,7 +285,7 @@ WaitResult Ring::wait_main(Pred ready, int64_t timeout_ns) {
       store_release(hdr_->main_waiting, 0u);
       return WaitResult::Ready;
     }
-    const int64_t left = deadline - sync::monotonic_ns();
+    const int64_t left = deadline.left_ns();
     if (left <= 0) {
       store_release(hdr_->main_waiting, 0u);
       return WaitResult::TimedOut;
@@ -259,47 +324,49 @@ WaitResult Ring::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
 SlotResult Ring::result(uint32_t s) const {
   check_slot(s);
   const ShmSlot& sl = slot(s);
-  if (load_acquire(sl.state) != u32(SlotState::Ready) &&
-      load_acquire(sl.state) != u32(SlotState::Leased))
+  const SlotState st = word_state(load_acquire(sl.state));
+  if (st != SlotState::Ready && st != SlotState::Leased)
     throw std::logic_error("fastload: result() of a slot that is not READY");
-  return SlotResult{sl.result_kind, sl.data_len, sl.meta_offset, sl.meta_len};
+  return SlotResult{load_relaxed(sl.result_kind), load_relaxed(sl.data_len),
+                    load_relaxed(sl.meta_offset), load_relaxed(sl.meta_len)};
 }
 
 void Ring::lease(uint32_t s) {
   check_slot(s);
   ShmSlot& sl = slot(s);
-  if (load_acquire(sl.state) != u32(SlotState::Ready))
+  uint64_t word = load_acquire(sl.state);
+  // Only main leaves READY, so the CAS fails only on misuse.
+  if (word_state(word) != SlotState::Ready ||
+      !cas_acq_rel(sl.state, word, slot_word(word_lap(word), SlotState::Leased)))
     throw std::logic_error("fastload: lease() of a slot that is not READY");
-  // Only main reads LEASED; relaxed would do, release keeps the state word's
-  // stores uniformly release.
-  store_release(sl.state, u32(SlotState::Leased));
 }
 
 void Ring::release(uint32_t s) {
   check_slot(s);
   ShmSlot& sl = slot(s);
-  const uint32_t st = load_acquire(sl.state);
-  if (st != u32(SlotState::Ready) && st != u32(SlotState::Leased))
-    throw std::logic_error("fastload: release() of a slot that is neither READY nor LEASED");
+  uint64_t word = load_acquire(sl.state);
+  const SlotState st = word_state(word);
   // Main read the payload before this (views are dead); the next assign()
-  // by main itself follows in program order, so release is enough.
-  store_release(sl.state, u32(SlotState::Free));
+  // by main itself follows in program order.
+  if ((st != SlotState::Ready && st != SlotState::Leased) ||
+      !cas_acq_rel(sl.state, word, slot_word(word_lap(word), SlotState::Free)))
+    throw std::logic_error("fastload: release() of a slot that is neither READY nor LEASED");
   std::lock_guard<std::mutex> g(free_mu_);
-  free_slots_.push_back(s);
+  set_free_bit(s);
 }
 
 void Ring::shutdown() {
   store_release(hdr_->shutdown, 1u);
   for (uint32_t w = 0; w < hdr_->num_workers; ++w) {
     ShmWorker& q = worker(w);
-    q.doorbell.fetch_add(1, std::memory_order_release);
+    bump_release(q.doorbell);
     sync::futex_wake_all(&q.doorbell);
   }
   // Bump the word before waking, as commit() does: a waiter in wait_main()
   // on another thread that checked `shutdown` just before the store above
   // then fails its futex_wait(completions, seen) instead of sleeping through
   // this wake-up until its timeout.
-  hdr_->completions.fetch_add(1, std::memory_order_release);
+  bump_release(hdr_->completions);
   sync::futex_wake_all(&hdr_->completions);
 }
 
@@ -308,21 +375,34 @@ bool Ring::is_shutdown() const { return load_acquire(hdr_->shutdown) != 0; }
 void Ring::reset_worker(uint32_t w) {
   check_worker(w);
   ShmWorker& q = worker(w);
-  // The worker is dead: nobody else touches its fields. Its head catches up
-  // with main's tail so a replacement sees an empty queue.
+  // Retire first: a worker still running under the old generation sees it
+  // before its next claim, and a claim it has under way fails against the
+  // moved head below.
+  bump_release(q.generation);
+  // The head catches up with main's tail: the replacement sees an empty
+  // queue, and entries left in it (reclaimed or not) are dropped.
   store_release(q.head, load_relaxed(q.tail));
   store_release(q.sleeping, 0u);
   store_release(q.pid, 0u);
   store_release(q.current_seq, kNoSeq);
+  // Wake a retired worker that sleeps, so it leaves now.
+  bump_release(q.doorbell);
+  sync::futex_wake_all(&q.doorbell);
 }
 
-bool Ring::reclaim(uint32_t s) {
+ReclaimResult Ring::reclaim(uint32_t s) {
   check_slot(s);
   ShmSlot& sl = slot(s);
-  const uint32_t st = load_acquire(sl.state);
-  if (st != u32(SlotState::Assigned) && st != u32(SlotState::Writing)) return false;
-  store_release(sl.state, u32(SlotState::Free));
-  return true;
+  uint64_t word = load_acquire(sl.state);
+  // Retried only while a worker moves the same lap along (ASSIGNED ->
+  // WRITING -> COMMITTING): either main frees it, or the worker reaches
+  // READY first and nothing is reclaimed.
+  while (in_flight(word_state(word))) {
+    const SlotState was = word_state(word);
+    if (cas_acq_rel(sl.state, word, slot_word(word_lap(word), SlotState::Free)))
+      return was == SlotState::Assigned ? ReclaimResult::WasQueued : ReclaimResult::WasTaken;
+  }
+  return ReclaimResult::NotInFlight;
 }
 
 uint32_t Ring::worker_pid(uint32_t w) const {
@@ -342,48 +422,74 @@ uint64_t Ring::worker_current_seq(uint32_t w) const {
 
 // ---- worker process -------------------------------------------------------
 
-void Ring::worker_started(uint32_t w, uint32_t pid) {
+WorkerTicket Ring::worker_started(uint32_t w, uint32_t pid) {
   check_worker(w);
+  const WorkerTicket me{w, load_acquire(worker(w).generation)};
+  store_relaxed(local_generation_[w], uint64_t{me.generation});
   store_release(worker(w).pid, pid);
+  return me;
 }
 
-WaitResult Ring::next_task(uint32_t w, int64_t timeout_ns, TaskRef* out) {
-  check_worker(w);
-  ShmWorker& q = worker(w);
-  const uint32_t head = load_relaxed(q.head);  // only this worker writes head
-  auto pop = [&]() {
-    const uint32_t s = q.entries[head & (kMaxSlots - 1)];
-    // Release: main may reuse the entry once it sees head+1 (it never needs
-    // to today: capacity >= num_slots), kept for the queue's own contract.
-    store_release(q.head, head + 1);
+Ring::PopResult Ring::try_pop(const WorkerTicket& me, TaskRef* out) {
+  ShmWorker& q = worker(me.worker);
+  for (;;) {
+    if (load_acquire(q.generation) != me.generation) return PopResult::Retired;
+    uint32_t head = load_acquire(q.head);
+    // Acquire pairs with assign()'s tail release: the entry is visible.
+    if (load_acquire(q.tail) == head) return PopResult::Empty;
+    const uint64_t entry = load_relaxed(q.entries[head & (kMaxSlots - 1)]);
+    // Claim the entry. Fails only when reset_worker() moved the head: then
+    // the generation check above retires this worker.
+    if (!cas_acq_rel(q.head, head, head + 1)) continue;
+    const uint32_t s = static_cast<uint32_t>(entry & ((1u << kEntrySlotBits) - 1));
+    const uint64_t lap = entry >> kEntrySlotBits;
+    if (s >= hdr_->num_slots) continue;  // cannot happen: main wrote it
     ShmSlot& sl = slot(s);
-    store_release(sl.state, u32(SlotState::Writing));
-    store_release(q.current_seq, sl.seq);
-    q.progress.fetch_add(1, std::memory_order_release);
-    *out = TaskRef{s, sl.seq, sl.task_len};
-    return WaitResult::Ready;
+    // Read before the claim, kept only if the claim succeeds (then main
+    // wrote them before the ASSIGNED we replace, and cannot rewrite them
+    // before it reclaims the slot from us).
+    const uint64_t seq = load_relaxed(sl.seq);
+    const uint64_t task_len = load_relaxed(sl.task_len);
+    uint64_t word = slot_word(lap, SlotState::Assigned);
+    // Acquire pairs with assign()'s CAS to ASSIGNED: task bytes and fields.
+    // Fails when main reclaimed this lap: a stale entry, skipped.
+    if (!cas_acq_rel(sl.state, word, slot_word(lap, SlotState::Writing))) continue;
+    store_release(q.current_seq, seq);
+    bump_release(q.progress);
+    *out = TaskRef{s, seq, task_len, lap};
+    return PopResult::Popped;
+  }
+}
+
+WaitResult Ring::next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* out) {
+  check_worker(me.worker);
+  ShmWorker& q = worker(me.worker);
+  auto outcome = [](PopResult p) {
+    return p == PopResult::Popped ? WaitResult::Ready : WaitResult::Shutdown;
   };
   for (int i = 0; i < kSpinChecks; ++i) {
-    // Acquire pairs with assign()'s tail release: entry and slot fields.
-    if (load_acquire(q.tail) != head) return pop();
+    const PopResult p = try_pop(me, out);
+    if (p != PopResult::Empty) return outcome(p);
     sync::cpu_relax();
   }
-  const int64_t deadline = deadline_after(timeout_ns);
+  const sync::Deadline deadline = sync::Deadline::after_ns(timeout_ns);
   for (;;) {
     if (load_acquire(hdr_->shutdown) != 0) return WaitResult::Shutdown;
     store_release(q.sleeping, 1u);
-    // Dekker with assign()/shutdown(): the flag before the re-reads below.
+    // Dekker with assign()/shutdown()/reset_worker(): the flag before the
+    // re-reads below.
     full_fence();
     const uint32_t bell = load_acquire(q.doorbell);
-    if (load_acquire(q.tail) != head) {
+    const PopResult p = try_pop(me, out);
+    if (p != PopResult::Empty) {
       store_release(q.sleeping, 0u);
-      return pop();
+      return outcome(p);
     }
     if (load_acquire(hdr_->shutdown) != 0) {
       store_release(q.sleeping, 0u);
       return WaitResult::Shutdown;
     }
-    const int64_t left = deadline - sync::monotonic_ns();
+    const int64_t left = deadline.left_ns();
     if (left <= 0) {
       store_release(q.sleeping, 0u);
       return WaitResult::TimedOut;
@@ -391,31 +497,67 @@ WaitResult Ring::next_task(uint32_t w, int64_t timeout_ns, TaskRef* out) {
     auto r = sync::futex_wait(&q.doorbell, bell, left);
     store_release(q.sleeping, 0u);
     if (r == sync::FutexResult::Interrupted) {
-      if (load_acquire(q.tail) != head) return pop();
-      return WaitResult::TimedOut;
+      const PopResult p2 = try_pop(me, out);
+      return p2 == PopResult::Empty ? WaitResult::TimedOut : outcome(p2);
     }
   }
 }
 
-void Ring::commit(uint32_t s, const SlotResult& r) {
-  check_slot(s);
-  ShmSlot& sl = slot(s);
-  const uint32_t w = sl.worker;
-  sl.result_kind = r.kind;
-  sl.data_len = r.data_len;
-  sl.meta_offset = r.meta_offset;
-  sl.meta_len = r.meta_len;
-  store_release(sl.done_seq, sl.seq);
-  // Publishes the payload and the fields above to main's acquire in is_ready().
-  store_release(sl.state, u32(SlotState::Ready));
+CommitResult Ring::commit(const TaskRef& t, const SlotResult& r) {
+  check_slot(t.slot);
+  ShmSlot& sl = slot(t.slot);
+  uint64_t word = slot_word(t.lap, SlotState::Writing);
+  // Claim the result fields: from here main cannot reassign this lap
+  // unless it reclaims it (then the final CAS below fails).
+  if (!cas_acq_rel(sl.state, word, slot_word(t.lap, SlotState::Committing))) {
+    if (word_lap(word) == t.lap && !in_flight(word_state(word)) &&
+        word_state(word) != SlotState::Free)
+      throw std::logic_error("fastload: commit() of slot " + str(t.slot) + " twice");
+    return CommitResult::Reclaimed;
+  }
+  const uint32_t w = load_relaxed(sl.worker);
+  store_relaxed(sl.result_kind, r.kind);
+  store_relaxed(sl.data_len, r.data_len);
+  store_relaxed(sl.meta_offset, r.meta_offset);
+  store_relaxed(sl.meta_len, r.meta_len);
+  word = slot_word(t.lap, SlotState::Committing);
+  // Release: the payload and the fields above reach main's acquire in
+  // is_ready(). Fails only when main reclaimed the slot while we wrote them.
+  if (!cas_acq_rel(sl.state, word, slot_word(t.lap, SlotState::Ready)))
+    return CommitResult::Reclaimed;
   if (w < hdr_->num_workers) {
     store_release(worker(w).current_seq, kNoSeq);
-    worker(w).progress.fetch_add(1, std::memory_order_release);
+    bump_release(worker(w).progress);
   }
-  hdr_->completions.fetch_add(1, std::memory_order_release);
+  bump_release(hdr_->completions);
   // Dekker with wait_main(): the completion before the `main_waiting` load.
   full_fence();
   if (load_relaxed(hdr_->main_waiting) != 0) sync::futex_wake_all(&hdr_->completions);
+  return CommitResult::Committed;
+}
+
+// ---- one worker per Ring object -------------------------------------------
+
+WaitResult Ring::next_task(uint32_t w, int64_t timeout_ns, TaskRef* out) {
+  check_worker(w);
+  uint64_t gen = load_relaxed(local_generation_[w]);
+  if (gen == kNoGeneration) {
+    gen = load_acquire(worker(w).generation);
+    store_relaxed(local_generation_[w], gen);
+  }
+  const WaitResult r = next_task(WorkerTicket{w, static_cast<uint32_t>(gen)}, timeout_ns, out);
+  if (r == WaitResult::Ready) store_relaxed(local_lap_[out->slot], out->lap);
+  return r;
+}
+
+CommitResult Ring::commit(uint32_t s, const SlotResult& r) {
+  check_slot(s);
+  const uint64_t lap = load_relaxed(local_lap_[s]);
+  if (lap == kNoLap)
+    throw std::logic_error("fastload: commit() of slot " + str(s) +
+                           ", which this process did not take with next_task()");
+  store_relaxed(local_lap_[s], kNoLap);
+  return commit(TaskRef{s, 0, 0, lap}, r);
 }
 
 }  // namespace fastload

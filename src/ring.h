@@ -8,11 +8,15 @@
 //           and pushes its index on the submission queue of the worker that
 //           must make it (round-robin is the caller's policy, not the ring's);
 //   worker  pops the index, marks the slot WRITING, writes the batch into
-//           the payload, fills the result fields, marks it READY and bumps
-//           the header's completion counter (main's futex word);
+//           the payload, marks it COMMITTING, fills the result fields, marks
+//           it READY and bumps the header's completion counter (main's
+//           futex word);
 //   main    waits for READY (checking the sequence stamp, so a stale slot
 //           never looks ready), marks it LEASED while views of it are alive,
 //           then FREE again.
+// Every state change is a compare-and-swap from the (lap, state) the caller
+// expects, the lap being bumped at each assign: a worker believed dead whose
+// slot main reclaimed and reassigned can never commit into the new lap.
 // Every wait is a bounded futex wait that also watches the shutdown flag.
 #pragma once
 
@@ -21,7 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <vector>
+#include <type_traits>
 
 #include "segment.h"
 #include "sync.h"
@@ -29,7 +33,10 @@
 namespace fastload {
 
 constexpr uint64_t kRingMagic = 0x474e4952444c5346ULL;  // "FSLDRING" read little-endian
-constexpr uint32_t kRingVersion = 1;
+// Bumped whenever a shared struct changes: two builds with different
+// layouts refuse to share a segment. 2: 64-bit slot state words with a lap,
+// lap-stamped queue entries, worker generations.
+constexpr uint32_t kRingVersion = 2;
 constexpr uint32_t kMaxSlots = 1024;  // power of two: queue indices are masked with it
 constexpr uint32_t kMaxWorkers = 512;
 constexpr size_t kCacheLine = 64;
@@ -37,40 +44,84 @@ constexpr size_t kPayloadAlign = 4096;  // slot payloads start on a page
 constexpr uint64_t kNoSeq = ~0ULL;
 
 static_assert((kMaxSlots & (kMaxSlots - 1)) == 0, "kMaxSlots must be a power of two");
+static_assert(kMaxSlots % 64 == 0, "the free bitmap is whole 64-bit words");
 
-enum class SlotState : uint32_t { Free = 0, Assigned = 1, Writing = 2, Ready = 3, Leased = 4 };
+// A slot's life. COMMITTING is the few instructions in which a worker that
+// won the slot from WRITING writes the result fields before READY.
+enum class SlotState : uint32_t {
+  Free = 0,
+  Assigned = 1,
+  Writing = 2,
+  Ready = 3,
+  Leased = 4,
+  Committing = 5,
+};
 enum class WaitResult : int { Ready = 0, TimedOut = 1, Shutdown = 2 };
+// What commit() did. Reclaimed: main took the slot back (the worker was
+// believed dead) before this commit; the result is dropped, and the slot may
+// already carry another task under a new lap, which this commit never touches.
+enum class CommitResult : int { Committed = 0, Reclaimed = 1 };
+// What reclaim() did. WasQueued: no worker had taken the task, none ever
+// will. WasTaken: a worker held it (WRITING/COMMITTING); its commit will be
+// refused, but it may still write the payload until it is really dead.
+enum class ReclaimResult : int { NotInFlight = 0, WasQueued = 1, WasTaken = 2 };
 
-// One per slot, in shared memory. Plain fields are handed over by the state
-// word: written before a store_release of `state`, read after a
-// load_acquire of it that saw the matching value.
+// A slot's state word: the state in the low byte, the slot's lap above it.
+// Main bumps the lap at every assign(), so a stale party (a queue entry, a
+// worker believed dead) that names an old lap can never match the word of
+// a reassigned slot: every transition is a CAS from (lap, expected state).
+constexpr unsigned kLapShift = 8;
+constexpr uint64_t slot_word(uint64_t lap, SlotState st) {
+  return (lap << kLapShift) | static_cast<uint64_t>(st);
+}
+constexpr SlotState word_state(uint64_t word) { return static_cast<SlotState>(word & 0xff); }
+constexpr uint64_t word_lap(uint64_t word) { return word >> kLapShift; }
+
+// A queue entry: the slot index and the lap it was assigned under.
+constexpr unsigned kEntrySlotBits = 16;
+static_assert(kMaxSlots <= (1u << kEntrySlotBits), "slot indices fit a queue entry");
+constexpr uint64_t queue_entry(uint64_t lap, uint32_t slot) {
+  return (lap << kEntrySlotBits) | slot;
+}
+
+// One per slot, in shared memory. Fields other than `state` are relaxed
+// atomics handed over by the state word: written before the release (store
+// or CAS) of a state, read after the acquire of it. They are atomics, not
+// plain fields, because a party that lost a race (a stale queue entry, a
+// worker whose slot was reclaimed) may read them concurrently with main
+// rewriting them; it then throws what it read away when its CAS fails.
 struct alignas(kCacheLine) ShmSlot {
-  // Written by main (FREE->ASSIGNED, READY->LEASED, LEASED->FREE) and by the
-  // owning worker (ASSIGNED->WRITING->READY); never by two sides at once.
-  std::atomic<uint32_t> state;
-  uint32_t worker;       // main, before ASSIGNED
-  uint64_t seq;          // main, before ASSIGNED: the batch number
-  uint64_t task_len;     // main, before ASSIGNED: task bytes at payload start
-  std::atomic<uint64_t> done_seq;  // worker, before READY: the lap stamp main checks
-  uint32_t result_kind;  // worker, before READY: meaning is the caller's
-  uint32_t reserved;
-  uint64_t data_len;     // worker, before READY
-  uint64_t meta_offset;  // worker, before READY
-  uint64_t meta_len;     // worker, before READY
+  // (lap << 8) | SlotState. Main: FREE->ASSIGNED (lap+1), READY->LEASED,
+  // READY/LEASED->FREE, ASSIGNED/WRITING/COMMITTING->FREE (reclaim). The
+  // worker that popped the lap: ASSIGNED->WRITING->COMMITTING->READY. All CAS.
+  std::atomic<uint64_t> state;
+  std::atomic<uint64_t> seq;       // main, before ASSIGNED: the caller's batch number
+  std::atomic<uint64_t> task_len;  // main, before ASSIGNED: task bytes at payload start
+  std::atomic<uint32_t> worker;    // main, before ASSIGNED
+  std::atomic<uint32_t> result_kind;  // worker, in COMMITTING: meaning is the caller's
+  std::atomic<uint64_t> data_len;     // worker, in COMMITTING
+  std::atomic<uint64_t> meta_offset;  // worker, in COMMITTING
+  std::atomic<uint64_t> meta_len;     // worker, in COMMITTING
 };
 
 // One per worker, in shared memory: a single-producer (main) single-consumer
-// (the worker) queue of slot indices, io_uring-SQ style with free-running
-// 32-bit head/tail masked only to index.
+// (the worker) queue of lap-stamped slot indices, io_uring-SQ style with
+// free-running 32-bit head/tail masked only to index.
 struct alignas(kCacheLine) ShmWorker {
   alignas(kCacheLine) std::atomic<uint32_t> tail;  // main writes (release) after the entry
-  std::atomic<uint32_t> doorbell;  // main bumps after each push and at shutdown: the worker's futex word
-  alignas(kCacheLine) std::atomic<uint32_t> head;  // the worker writes after reading an entry
+  std::atomic<uint32_t> doorbell;  // main bumps after each push, at reset and at shutdown: the worker's futex word
+  // The worker claims entries by CAS (head, head+1); main's reset_worker()
+  // moves it to tail, so a retired worker's claim fails.
+  alignas(kCacheLine) std::atomic<uint32_t> head;
   std::atomic<uint32_t> sleeping;  // the worker: 1 while it may be in futex_wait (main wakes only then)
   std::atomic<uint32_t> pid;       // the worker, once attached
+  // Main bumps it in reset_worker(): a worker that started under an older
+  // generation is retired (next_task() answers Shutdown).
+  std::atomic<uint32_t> generation;
   std::atomic<uint64_t> progress;  // the worker bumps at every pop and commit: the hang watchdog reads it
   std::atomic<uint64_t> current_seq;  // the worker: batch in hand, kNoSeq when idle
-  alignas(kCacheLine) uint32_t entries[kMaxSlots];  // main writes before its tail release
+  // queue_entry(lap, slot); main writes before its tail release.
+  alignas(kCacheLine) std::atomic<uint64_t> entries[kMaxSlots];
 };
 
 struct ShmHeader {
@@ -91,19 +142,30 @@ struct ShmHeader {
   std::atomic<uint32_t> main_waiting;  // main: 1 while it may sleep on `completions`
 };
 
-static_assert(std::is_standard_layout_v<ShmSlot> && sizeof(ShmSlot) % kCacheLine == 0,
-              "ShmSlot is an ABI between processes");
+static_assert(std::is_standard_layout_v<ShmSlot> && sizeof(ShmSlot) == kCacheLine,
+              "ShmSlot is an ABI between processes: one cache line per slot");
+static_assert(offsetof(ShmSlot, state) == 0 && offsetof(ShmSlot, seq) == 8 &&
+                  offsetof(ShmSlot, worker) == 24 && offsetof(ShmSlot, meta_len) == 48,
+              "ShmSlot layout (bump kRingVersion when it changes)");
 static_assert(std::is_standard_layout_v<ShmWorker> && sizeof(ShmWorker) % kCacheLine == 0,
               "ShmWorker is an ABI between processes");
+static_assert(offsetof(ShmWorker, head) == kCacheLine && offsetof(ShmWorker, entries) == 2 * kCacheLine &&
+                  sizeof(ShmWorker) == 2 * kCacheLine + 8 * kMaxSlots,
+              "ShmWorker layout (bump kRingVersion when it changes)");
 static_assert(std::is_standard_layout_v<ShmHeader>, "ShmHeader is an ABI between processes");
 static_assert(offsetof(ShmHeader, shutdown) % kCacheLine == 0 &&
                   offsetof(ShmHeader, completions) % kCacheLine == 0,
               "hot header fields each start a cache line");
+static_assert(offsetof(ShmHeader, payload_offset) == 56 && sizeof(ShmHeader) == 3 * kCacheLine,
+              "ShmHeader layout (bump kRingVersion when it changes)");
 
+// A task a worker took with next_task(). `lap` names this assignment of the
+// slot; commit() succeeds only while the slot is still on that lap.
 struct TaskRef {
   uint32_t slot;
   uint64_t seq;
   uint64_t task_len;
+  uint64_t lap;
 };
 
 struct SlotResult {
@@ -113,14 +175,22 @@ struct SlotResult {
   uint64_t meta_len;
 };
 
+// What a worker names itself by: its index and the queue generation it
+// started under (see ShmWorker::generation).
+struct WorkerTicket {
+  uint32_t worker;
+  uint32_t generation;
+};
+
 class Ring {
  public:
   // Main process: a new segment. Throws std::invalid_argument on bad
   // geometry, std::runtime_error when the memory cannot be had.
   static std::shared_ptr<Ring> create(uint32_t num_slots, uint32_t num_workers,
                                       uint64_t slot_bytes, bool force_shm = false);
-  // Worker: maps the segment behind `fd` (takes ownership) and checks the
-  // magic, version and layout.
+  // Worker: maps the segment behind `fd` (takes ownership) and validates the
+  // whole header (magic, version, geometry, offsets, size) against the
+  // segment; std::runtime_error says which check failed.
   static std::shared_ptr<Ring> attach(int fd);
 
   Ring(const Ring&) = delete;
@@ -136,16 +206,26 @@ class Ring {
   char* payload_base() const { return base_ + hdr_->payload_offset; }
   size_t payload_bytes() const { return static_cast<size_t>(hdr_->slot_bytes) * hdr_->num_slots; }
   SlotState state(uint32_t slot) const;
+  uint64_t lap(uint32_t slot) const;  // how many times the slot was assigned (a debug view)
 
   // ---- main process -------------------------------------------------------
-  // Takes a FREE slot off the process-local free list, the lowest (for
-  // batches) or the highest (`highest`: for tasks that write no batch);
-  // false when none is.
+  // Free slots are a bitmap (process-local, main only) indexing the slots
+  // whose state is FREE and that main has not taken: release() sets a bit as
+  // it frees a slot, pop_free_slot() clears one, push_free_slot() puts back
+  // one that pop_free_slot() gave and that was never assigned. The state word
+  // stays the truth: a bit is only ever set for a FREE slot.
+  //
+  // Takes the lowest free slot (for batches: they keep to the fewest slots)
+  // or the highest (`highest`: for tasks that write no batch); false when
+  // none is.
   bool pop_free_slot(uint32_t* slot, bool highest = false);
   size_t free_slot_count() const;
-  // Puts back a slot taken by pop_free_slot() and never assigned.
+  // Puts back a FREE slot taken by pop_free_slot() (or reclaim()) and never
+  // assigned. Throws std::logic_error if it is not FREE or already free.
   void push_free_slot(uint32_t slot);
-  // FREE -> ASSIGNED, task bytes copied to the payload start, queued for `worker`.
+  // FREE -> ASSIGNED under the next lap, task bytes copied to the payload
+  // start, queued for `worker`. The slot must have been taken off the free
+  // bitmap (pop_free_slot() or reclaim()).
   void assign(uint32_t slot, uint64_t seq, uint32_t worker, const void* task, size_t task_len);
   // Waits until `slot` is READY with stamp `seq`.
   WaitResult wait_ready(uint32_t slot, uint64_t seq, int64_t timeout_ns);
@@ -155,24 +235,42 @@ class Ring {
   bool is_ready(uint32_t slot, uint64_t seq) const;
   SlotResult result(uint32_t slot) const;
   void lease(uint32_t slot);    // READY -> LEASED
-  void release(uint32_t slot);  // READY/LEASED -> FREE, back on the free list
+  void release(uint32_t slot);  // READY/LEASED -> FREE, back on the free bitmap
   void shutdown();
   bool is_shutdown() const;
-  // After a worker died: forget its queue so a replacement starts clean.
+  // After a worker died (or was given up on): empties its queue, bumps its
+  // generation so the old worker, should it still run, is retired (its
+  // next_task() answers Shutdown and its claims fail), and wakes it.
   void reset_worker(uint32_t worker);
-  // ASSIGNED/WRITING (a dead worker's unfinished task) -> FREE, off any list:
-  // main assigns it again at once. False if the slot was in another state.
-  bool reclaim(uint32_t slot);
+  // ASSIGNED/WRITING/COMMITTING (a dead worker's unfinished task) -> FREE,
+  // by CAS, off the free bitmap: main assigns it again at once. A late
+  // commit() of the old lap is refused. NotInFlight: the slot was FREE,
+  // READY or LEASED (the worker's commit won the race), nothing changed.
+  ReclaimResult reclaim(uint32_t slot);
   uint32_t worker_pid(uint32_t worker) const;
   uint64_t worker_progress(uint32_t worker) const;
   uint64_t worker_current_seq(uint32_t worker) const;
 
   // ---- worker process -----------------------------------------------------
-  void worker_started(uint32_t worker, uint32_t pid);
-  // Pops the next task (ASSIGNED -> WRITING).
+  // Announces the worker (its pid for the watchdog) and returns its ticket,
+  // which names the queue generation it serves.
+  WorkerTicket worker_started(uint32_t worker, uint32_t pid);
+  // Pops the next task (ASSIGNED -> WRITING, by CAS on its lap: a stale
+  // entry of a reclaimed slot is skipped). Shutdown also when the worker was
+  // retired by reset_worker() since worker_started().
+  WaitResult next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* out);
+  // WRITING -> COMMITTING -> READY with the result fields, if the slot is
+  // still on task.lap; then wakes main if it sleeps. Reclaimed: main took
+  // the slot back first; nothing was written to it.
+  CommitResult commit(const TaskRef& task, const SlotResult& r);
+
+  // One worker per Ring object (a worker process, as the Python workers
+  // are): the same calls, with the ticket and the lap remembered by this
+  // object. next_task(worker) adopts the current generation if
+  // worker_started() was not called; commit(slot) throws std::logic_error
+  // for a slot this object did not pop.
   WaitResult next_task(uint32_t worker, int64_t timeout_ns, TaskRef* out);
-  // WRITING -> READY with the result fields, then wakes main if it sleeps.
-  void commit(uint32_t slot, const SlotResult& r);
+  CommitResult commit(uint32_t slot, const SlotResult& r);
 
  private:
   Ring(Segment seg, bool owner);
@@ -182,14 +280,24 @@ class Ring {
   void check_worker(uint32_t i) const;
   template <class Pred>
   WaitResult wait_main(Pred ready, int64_t timeout_ns);
+  enum class PopResult { Popped, Empty, Retired };
+  PopResult try_pop(const WorkerTicket& me, TaskRef* out);
+  void set_free_bit(uint32_t s);  // free_mu_ held
 
   Segment seg_;
   char* base_;
   ShmHeader* hdr_;
-  // Process-local (main only): slots main may assign. Guarded by a mutex
-  // because a slot's last view may die on any thread.
+  // Process-local (main only): the free bitmap, bit s of word s/64. Guarded
+  // by a mutex because a slot's last view may die on any thread.
   mutable std::mutex free_mu_;
-  std::vector<uint32_t> free_slots_;
+  uint64_t free_bits_[kMaxSlots / 64] = {};
+  size_t free_count_ = 0;
+  // Process-local (the one-worker-per-object calls): the generation each
+  // worker index started under here, and the lap of each slot popped here
+  // and not yet committed (kNoLap: none). Relaxed atomics: only the thread
+  // serving a worker touches its entries, but a test may share one object.
+  std::unique_ptr<std::atomic<uint64_t>[]> local_generation_;
+  std::unique_ptr<std::atomic<uint64_t>[]> local_lap_;
 };
 
 // Layout arithmetic, shared by create() and the tests.

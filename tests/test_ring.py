@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gc
 import os
+import struct
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from fastload import _core
-from fastload._core import Ring, SlotState, WaitResult
+from fastload._core import CommitResult, Ring, SlotState, WaitResult
 
 
 def _roundtrip(ring: Ring, worker: int = 0) -> int:
@@ -97,6 +100,106 @@ def test_attach_checks_magic() -> None:
     os.ftruncate(fd, 1 << 16)
     with pytest.raises(RuntimeError, match="magic"):
         Ring.attach(fd)  # takes ownership of fd and closes it
+
+
+def test_late_commit_after_reclaim_is_refused() -> None:
+    """A worker believed dead commits after main reclaimed its slot and gave
+    it to another task: the commit is refused and the new task untouched."""
+    ring = Ring.create(2, 1, 1 << 16)
+    worker = Ring.attach(os.dup(ring.fd))
+    slot = ring.pop_free_slot()
+    ring.assign(slot, 1, 0, b"old")
+    assert worker.next_task(0, 1.0)[:3] == (WaitResult.READY, slot, 1)
+    assert ring.reclaim(slot) is True
+    assert ring.state(slot) == SlotState.FREE
+    assert ring.reclaim(slot) is False
+    ring.assign(slot, 2, 0, b"new")  # reassigned at once, as loader._restart does
+    assert worker.commit(slot, 7, 0, 0, 0) == CommitResult.RECLAIMED
+    assert ring.state(slot) == SlotState.ASSIGNED
+    assert not ring.is_ready(slot, 1) and not ring.is_ready(slot, 2)
+    assert worker.next_task(0, 1.0)[:3] == (WaitResult.READY, slot, 2)
+    assert worker.commit(slot, 8, 0, 0, 0) == CommitResult.COMMITTED
+    assert ring.wait_ready(slot, 2, 1.0) == WaitResult.READY
+    assert ring.result(slot)[0] == 8
+    with pytest.raises(RuntimeError, match="did not take"):
+        worker.commit(slot, 9, 0, 0, 0)  # a second commit is a bug, not a race
+
+
+def test_reset_worker_retires_a_worker_still_running() -> None:
+    ring = Ring.create(2, 1, 1 << 16)
+    old = Ring.attach(os.dup(ring.fd))
+    old.worker_started(0, os.getpid())
+    result = []
+    sleeper = threading.Thread(target=lambda: result.append(old.next_task(0, 60.0)[0]))
+    sleeper.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    ring.reset_worker(0)
+    sleeper.join(10.0)
+    assert result == [WaitResult.SHUTDOWN] and time.monotonic() - t0 < 5.0
+    assert not ring.is_shutdown()
+    new = Ring.attach(os.dup(ring.fd))
+    new.worker_started(0, os.getpid())
+    slot = ring.pop_free_slot()
+    ring.assign(slot, 3, 0, b"x")
+    assert old.next_task(0, 0.0)[0] == WaitResult.SHUTDOWN
+    assert new.next_task(0, 1.0)[:3] == (WaitResult.READY, slot, 3)
+
+
+def test_push_free_slot_refuses_a_double_free() -> None:
+    ring = Ring.create(2, 1, 1 << 16)
+    slot = ring.pop_free_slot()
+    ring.push_free_slot(slot)
+    with pytest.raises(RuntimeError, match="already free"):
+        ring.push_free_slot(slot)
+    assert ring.free_slot_count() == 2
+
+
+def test_timeouts_accept_infinity_and_huge_values() -> None:
+    ring = Ring.create(1, 1, 1 << 16)
+    slot = ring.pop_free_slot()
+    threading.Timer(0.05, lambda: ring.assign(slot, 4, 0, b"t")).start()
+    assert ring.next_task(0, float("inf"))[:2] == (WaitResult.READY, slot)
+    threading.Timer(0.05, lambda: ring.commit(slot, 0, 0, 0, 0)).start()
+    assert ring.wait_ready(slot, 4, 1e300) == WaitResult.READY
+    assert ring.wait_any([slot], [5], -1.0) == (WaitResult.TIMED_OUT, -1)
+    assert ring.wait_ready(slot, 5, -float("inf")) == WaitResult.TIMED_OUT
+    with pytest.raises(ValueError, match="nan"):
+        ring.wait_ready(slot, 4, float("nan"))
+
+
+# (offset, struct format, value, message) of header fields to corrupt.
+_HEADER_DAMAGE = [
+    (8, "<I", 1, "version 1"),
+    (16, "<I", 0, "num_slots 0"),
+    (16, "<I", _core.MAX_SLOTS + 1, f"num_slots {_core.MAX_SLOTS + 1}"),
+    (20, "<I", 0, "num_workers 0"),
+    (24, "<Q", 4095, "slot_bytes 4095"),
+    (32, "<Q", 1 << 20, "says 1048576 bytes"),
+    (56, "<Q", 0, "offsets"),
+]
+
+
+@pytest.mark.parametrize("offset,fmt,value,message", _HEADER_DAMAGE)
+def test_attach_validates_the_whole_header(offset: int, fmt: str, value: int, message: str) -> None:
+    ring = Ring.create(2, 1, 1 << 16)
+    size = os.fstat(ring.fd).st_size
+    image = bytearray(os.pread(ring.fd, size, 0))
+    struct.pack_into(fmt, image, offset, value)
+    fd = os.memfd_create("damaged-ring")
+    os.write(fd, image)
+    with pytest.raises(RuntimeError, match=message):
+        Ring.attach(fd)
+
+
+def test_attach_checks_the_segment_size() -> None:
+    ring = Ring.create(2, 1, 1 << 16)
+    size = os.fstat(ring.fd).st_size
+    fd = os.memfd_create("grown-ring")
+    os.write(fd, os.pread(ring.fd, size, 0))
+    os.ftruncate(fd, size + 4096)
+    with pytest.raises(RuntimeError, match="segment has"):
+        Ring.attach(fd)
 
 
 def test_attach_maps_the_same_memory() -> None:

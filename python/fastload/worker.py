@@ -316,6 +316,10 @@ def worker_main(spec: WorkerSpec) -> None:
                 finally:
                     os.close(ofd)
                 kind |= FLAG_OVERFLOW
+            # Every commit here may answer CommitResult.RECLAIMED: main gave
+            # up on this worker and took the slot back. The batch is simply
+            # dropped (it will be made again); next_task() then answers
+            # SHUTDOWN if main has replaced this worker, and the loop ends.
             ring.commit(slot, kind, data_len, meta_off, meta_len)
     except KeyboardInterrupt:
         pass

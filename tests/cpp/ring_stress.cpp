@@ -17,6 +17,8 @@
 //            atomic and so can check the release/acquire hand-overs
 //            (--thread-attach maps the ring once per thread instead: more
 //            realistic, but TSan cannot relate two mappings of one page).
+// Before the modes: late commits after reclaim() one case at a time, then
+// reclaim() and reset_worker() racing running workers (--reclaim-items).
 // Also checked: idle workers sleep in the kernel (CPU time over an idle
 // window), timeouts of next_task/wait_ready/wait_any are neither early nor
 // late, "infinite" (INT64_MAX) timeouts, shutdown wake-ups, no lost wake-ups
@@ -89,6 +91,9 @@ struct Options {
   int64_t timing_slack_ms = 50;    // how late a timeout may return in the timing test
   bool timing = true;
   uint32_t shutdown_trials = 2000;  // shutdown() racing a wait_ready and a next_task
+  uint64_t reclaim_items = 4000;    // items of the reclaim/reset race (0: skip it)
+  uint32_t reclaim_pct = 5;         // % of main's loop turns that reclaim a task in flight
+  uint32_t replacements = 12;       // workers given up on (reset_worker) while still running
   bool verbose = false;
 };
 
@@ -100,6 +105,7 @@ struct Options {
                "          [--delay-pct P] [--max-delay-us US] [--idle-ms MS] [--idle-cpu-pct P]\n"
                "          [--long-timeout-ms MS] [--short-timeout-ms MS] [--stall-ms MS]\n"
                "          [--timing-slack-ms MS] [--no-timing] [--shutdown-trials N]\n"
+               "          [--reclaim-items N] [--reclaim-pct P] [--replacements N]\n"
                "          [--verbose]\n",
                argv0);
   std::exit(2);
@@ -154,6 +160,9 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--timing-slack-ms") o.timing_slack_ms = static_cast<int64_t>(u64());
     else if (a == "--no-timing") o.timing = false;
     else if (a == "--shutdown-trials") o.shutdown_trials = static_cast<uint32_t>(u64());
+    else if (a == "--reclaim-items") o.reclaim_items = u64();
+    else if (a == "--reclaim-pct") o.reclaim_pct = static_cast<uint32_t>(std::min<uint64_t>(u64(), 100));
+    else if (a == "--replacements") o.replacements = static_cast<uint32_t>(u64());
     else if (a == "--verbose" || a == "-v") o.verbose = true;
     else if (a == "--help" || a == "-h") usage(argv[0], nullptr);
     else usage(argv[0], ("unknown argument " + a).c_str());
@@ -309,6 +318,7 @@ const char* state_name(SlotState s) {
     case SlotState::Writing: return "WRITING";
     case SlotState::Ready: return "READY";
     case SlotState::Leased: return "LEASED";
+    case SlotState::Committing: return "COMMITTING";
   }
   return "?";
 }
@@ -371,7 +381,7 @@ int64_t worker_timeout_ms(const Options& o, uint32_t w) {
 int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
   Checker ck("worker " + std::to_string(w) + " tid " + std::to_string(current_tid()));
   WorkerStats& st = area.stats(w);
-  ring.worker_started(w, current_tid());
+  const fastload::WorkerTicket me = ring.worker_started(w, current_tid());
   std::mt19937_64 rng(mix64(o.seed * 1000003 + w));
   const int64_t timeout_ns = worker_timeout_ms(o, w) * kMs;
   const bool lost_wakeup_detectable = timeout_ns > o.stall_ms * kMs;
@@ -382,7 +392,7 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     if (o.delay_pct > 0 && rng() % 100 < o.delay_pct / 2) sleep_us(rng() % (o.max_delay_us + 1));
     TaskRef t{};
     const int64_t t0 = monotonic_ns();
-    const WaitResult r = ring.next_task(w, timeout_ns, &t);
+    const WaitResult r = ring.next_task(me, timeout_ns, &t);
     const int64_t t1 = monotonic_ns();
     if (r == WaitResult::Shutdown) {
       st.saw_shutdown = 1;
@@ -451,8 +461,9 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     m.check = meta_check(m);
     m.commit_ns = monotonic_ns();
     std::memcpy(p + meta_offset_for(size), &m, sizeof m);
-    ring.commit(t.slot, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size),
-                                   sizeof(ResultMeta)});
+    const fastload::CommitResult cr = ring.commit(
+        t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
+    ck.check(cr == fastload::CommitResult::Committed, "seq %" PRIu64 ": commit refused", t.seq);
   }
   st.passed = ck.passed();
   st.failed = ck.failed();
@@ -733,7 +744,8 @@ class Loader {
       area_.assign_ns()[f.seq] = monotonic_ns();
       ring_.assign(s, f.seq, f.task.worker, &f.task, sizeof f.task);
       const SlotState st = ring_.state(s);
-      ck_.require(st == SlotState::Assigned || st == SlotState::Writing || st == SlotState::Ready,
+      ck_.require(st == SlotState::Assigned || st == SlotState::Writing ||
+                      st == SlotState::Committing || st == SlotState::Ready,
                   "slot %u is %s right after assign()", s, state_name(st));
       push(f);
       ++live;
@@ -1259,6 +1271,358 @@ void shutdown_race_test(const Options& o, Checker& ck) {
               reach_ns[1] / 1e3, ms(worst));
 }
 
+// ---- reclaim, reset_worker and late commits ---------------------------------
+
+// The cases one by one, on a quiet ring: a commit of a lap main reclaimed is
+// refused before and after the slot is reassigned (and taken again); a stale
+// queue entry of a reclaimed task is skipped; reset_worker() retires a worker
+// still running (its next_task answers Shutdown, even from a sleep) while a
+// replacement serves the queue; a second commit is a logic error.
+void late_commit_test(const Options& o, Checker& ck) {
+  using fastload::CommitResult;
+  using fastload::ReclaimResult;
+  const int64_t slack = o.timing_slack_ms * kMs;
+  std::shared_ptr<Ring> ring = Ring::create(2, 1, 4096);
+  const char task[8] = {'t', 'a', 's', 'k', 0, 0, 0, 0};
+  const fastload::WorkerTicket old_me = ring->worker_started(0, 1);
+  uint32_t s = 0;
+  TaskRef t_old{};
+  TaskRef t{};
+  ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+  ring->assign(s, 10, 0, task, sizeof task);
+  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::Ready && t_old.seq == 10,
+             "next_task(seq 10)");
+  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim of a WRITING slot");
+  ck.require(ring->state(s) == SlotState::Free && ring->free_slot_count() == 1,
+             "a reclaimed slot is FREE and off the free bitmap");
+  ck.require(ring->reclaim(s) == ReclaimResult::NotInFlight, "reclaim of a FREE slot");
+  // Reassigned (a new lap) but not taken yet: the late commit is refused.
+  ring->assign(s, 11, 0, task, sizeof task);
+  ck.require(ring->lap(s) == t_old.lap + 1, "assign() bumps the lap");
+  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
+             "late commit into a reassigned, queued slot was accepted");
+  ck.require(ring->state(s) == SlotState::Assigned, "a refused commit changed the slot");
+  // Taken by the worker under the new lap: still refused.
+  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Ready && t.seq == 11 && t.slot == s,
+             "next_task(seq 11)");
+  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
+             "late commit into a reassigned WRITING slot was accepted");
+  ck.require(ring->state(s) == SlotState::Writing && !ring->is_ready(s, 10) && !ring->is_ready(s, 11),
+             "a refused commit made the slot look ready");
+  ck.require(ring->commit(t, SlotResult{2, 0, 0, 0}) == CommitResult::Committed, "commit(seq 11)");
+  ck.require(ring->wait_ready(s, 11, 0) == WaitResult::Ready && ring->result(s).kind == 2,
+             "the new lap's result");
+  bool threw = false;
+  try {
+    ring->commit(t, SlotResult{3, 0, 0, 0});
+  } catch (const std::logic_error&) {
+    threw = true;
+  }
+  ck.require(threw && ring->result(s).kind == 2, "a second commit() is a logic error");
+  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed &&
+                 ring->result(s).kind == 2,
+             "late commit into a READY slot of a later lap");
+  ring->release(s);
+
+  // A queued task reclaimed: its entry stays in the queue and is skipped.
+  ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+  ring->assign(s, 12, 0, task, sizeof task);
+  ck.require(ring->reclaim(s) == ReclaimResult::WasQueued, "reclaim of an ASSIGNED slot");
+  ring->assign(s, 13, 0, task, sizeof task);
+  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Ready && t.seq == 13,
+             "the stale entry of seq 12 was not skipped (got seq %" PRIu64 ")", t.seq);
+  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::TimedOut, "queue not empty");
+  ck.require(ring->commit(t, SlotResult{4, 0, 0, 0}) == CommitResult::Committed, "commit(13)");
+  ck.require(ring->is_ready(s, 13), "seq 13 ready");
+  ring->release(s);
+
+  // reset_worker() while the old worker holds a task and later sleeps.
+  ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+  ring->assign(s, 14, 0, task, sizeof task);
+  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::Ready && t_old.seq == 14,
+             "next_task(seq 14)");
+  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim(seq 14)");
+  ring->reset_worker(0);
+  ck.require(ring->worker_pid(0) == 0 && ring->worker_current_seq(0) == fastload::kNoSeq,
+             "reset_worker() clears pid and current seq");
+  int64_t t0 = monotonic_ns();
+  ck.require(ring->next_task(old_me, 1000 * kMs, &t) == WaitResult::Shutdown &&
+                 monotonic_ns() - t0 < slack && !ring->is_shutdown(),
+             "a retired worker's next_task does not answer Shutdown at once");
+  ck.require(ring->commit(t_old, SlotResult{5, 0, 0, 0}) == CommitResult::Reclaimed,
+             "a retired worker's commit was accepted");
+  const fastload::WorkerTicket new_me = ring->worker_started(0, 2);
+  // The old worker asleep with an "infinite" timeout: reset_worker wakes it.
+  WaitResult r_old = WaitResult::Ready;
+  int64_t el_old = 0;
+  std::thread sleeper([&] {
+    const int64_t a = monotonic_ns();
+    TaskRef tt{};
+    const fastload::WorkerTicket me = new_me;
+    r_old = ring->next_task(me, INT64_MAX, &tt);
+    el_old = monotonic_ns() - a;
+  });
+  sleep_us(30 * 1000);
+  ring->reset_worker(0);
+  sleeper.join();
+  ck.require(r_old == WaitResult::Shutdown && el_old <= 30 * kMs + slack,
+             "reset_worker() woke a sleeping worker after %.1f ms with %s", ms(el_old),
+             wait_name(r_old));
+  const fastload::WorkerTicket third = ring->worker_started(0, 3);
+  ring->assign(s, 15, 0, task, sizeof task);
+  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Shutdown, "old ticket still retired");
+  ck.require(ring->next_task(third, 0, &t) == WaitResult::Ready && t.seq == 15,
+             "the replacement gets the next task");
+  ck.require(ring->commit(t, SlotResult{6, 0, 0, 0}) == CommitResult::Committed, "commit(15)");
+  ck.require(ring->wait_ready(s, 15, 0) == WaitResult::Ready, "seq 15 ready");
+  ring->release(s);
+  ck.require(ring->free_slot_count() == 2, "every slot free at the end");
+  std::printf("  late commit: refused after reclaim (queued, reassigned, taken, ready), stale "
+              "entries skipped, reset_worker retires: ok\n");
+}
+
+// reclaim() and reset_worker() racing with running workers. Worker threads
+// (one shared mapping, so TSan sees both sides) make tasks with random
+// delays; main keeps every slot busy, reclaims random tasks in flight and
+// now and then gives up on a whole worker (reclaims its tasks, resets its
+// queue and starts a replacement) while the old thread still runs: it must
+// retire, and each of its late commits must be refused. As Python does
+// with a real corpse, a slot taken back from a worker is reused only once
+// that worker is done with it (here: it says so; there: it is dead). Every
+// item must be delivered exactly once with its own payload, and every
+// reclaimed-from-a-worker lap must show one refused commit.
+void reclaim_race_test(const Options& o, Checker& ck) {
+  using fastload::CommitResult;
+  using fastload::ReclaimResult;
+  const uint32_t W = o.workers;
+  const uint32_t S = std::max<uint32_t>(o.slots, 2);
+  const uint64_t N = o.reclaim_items;
+  const uint64_t slot_bytes = std::min<uint64_t>(o.slot_bytes, 16384);
+  std::shared_ptr<Ring> ring = Ring::create(S, W, slot_bytes);
+  const uint64_t max_size = ring->slot_bytes() - 128;
+  std::unique_ptr<std::atomic<uint64_t>[]> done_lap(new std::atomic<uint64_t>[S]);
+  for (uint32_t i = 0; i < S; ++i) done_lap[i].store(~0ULL);
+  std::atomic<uint64_t> refused{0};
+  std::atomic<uint64_t> worker_failures{0};
+
+  struct Thread {
+    std::thread th;
+    std::shared_ptr<std::atomic<int>> ended;  // 0 running, 1 retired, 2 shutdown, 3 failed
+  };
+  auto worker_fn = [&](uint32_t w, uint64_t wseed, std::shared_ptr<std::atomic<int>> ended) {
+    Checker wk("reclaim worker " + std::to_string(w));
+    std::mt19937_64 rng(wseed);
+    const fastload::WorkerTicket me = ring->worker_started(w, current_tid());
+    for (;;) {
+      TaskRef t{};
+      const WaitResult r = ring->next_task(me, 50 * kMs, &t);
+      if (r == WaitResult::Shutdown) {
+        ended->store(ring->is_shutdown() ? 2 : 1);
+        break;
+      }
+      if (r == WaitResult::TimedOut) continue;
+      char* p = ring->payload(t.slot);
+      Task task{};
+      std::memcpy(&task, p, sizeof task);
+      if (!wk.check(t.task_len == sizeof task && task.magic == kTaskMagic &&
+                        task.check == task_check(task) && task.seq == t.seq && task.worker == w,
+                    "seq %" PRIu64 ": corrupt task in slot %u", t.seq, t.slot))
+        worker_failures.fetch_add(1);
+      if (rng() % 100 < 30) sleep_us(rng() % 200);
+      const uint64_t size = std::min<uint64_t>(task.size, max_size);
+      fill_pattern(p, size, pattern_seed(t.seq, task.seed));
+      ResultMeta m{};
+      m.magic = kResultMagic;
+      m.seq = t.seq;
+      m.seed = task.seed;
+      m.size = size;
+      m.worker = w;
+      m.check = meta_check(m);
+      std::memcpy(p + meta_offset_for(size), &m, sizeof m);
+      if (rng() % 100 < 10) sleep_us(rng() % 100);
+      const CommitResult cr = ring->commit(
+          t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
+      if (cr == CommitResult::Reclaimed) {
+        refused.fetch_add(1);
+        fastload::sync::store_release(done_lap[t.slot], t.lap);  // test-side hand-back
+      }
+    }
+  };
+  std::vector<Thread> live(W);
+  std::vector<Thread> retired;
+  auto start = [&](uint32_t w, uint64_t k) {
+    live[w].ended = std::make_shared<std::atomic<int>>(0);
+    live[w].th = std::thread(worker_fn, w, mix64(o.seed ^ (k * 977 + w)), live[w].ended);
+    const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
+    while (ring->worker_pid(w) == 0 && monotonic_ns() < deadline) sleep_us(100);
+  };
+  struct Joiner {  // on any early exit: stop and join every thread
+    Ring& ring;
+    std::vector<Thread>& a;
+    std::vector<Thread>& b;
+    ~Joiner() {
+      ring.shutdown();
+      for (auto* v : {&a, &b})
+        for (Thread& t : *v)
+          if (t.th.joinable()) t.th.join();
+    }
+  } joiner{*ring, live, retired};
+  for (uint32_t w = 0; w < W; ++w) start(w, 0);
+
+  struct Flight {
+    uint32_t slot;
+    uint64_t item;
+    uint32_t worker;
+    Task task;
+  };
+  std::mt19937_64 rng(mix64(o.seed ^ 0xc1a1));
+  std::deque<uint64_t> pending;
+  for (uint64_t i = 0; i < N; ++i) pending.push_back(i);
+  std::vector<uint8_t> delivered(N, 0);
+  std::vector<std::pair<uint64_t, Flight>> flight;  // (seq, task)
+  std::vector<std::pair<uint32_t, uint64_t>> quarantine;  // (slot, lap) a worker may still touch
+  uint64_t next_seq = 0, got = 0, reclaimed_queued = 0, reclaimed_taken = 0, lost_race = 0;
+  uint64_t replaced = 0;
+  const uint64_t replace_every = o.replacements > 0 ? std::max<uint64_t>(N / (o.replacements + 1), 1) : 0;
+  uint64_t next_replace = replace_every;
+  const int64_t t_start = monotonic_ns();
+
+  auto reclaim_one = [&](size_t k) {
+    const Flight f = flight[k].second;
+    const uint64_t lap = ring->lap(f.slot);
+    const ReclaimResult r = ring->reclaim(f.slot);
+    if (r == ReclaimResult::NotInFlight) {  // the commit won: it stays in flight, READY
+      ++lost_race;
+      ck.require(ring->state(f.slot) == SlotState::Ready, "reclaim refused but slot %u is %s",
+                 f.slot, state_name(ring->state(f.slot)));
+      return false;
+    }
+    ck.require(ring->state(f.slot) == SlotState::Free, "reclaimed slot %u is %s", f.slot,
+               state_name(ring->state(f.slot)));
+    if (r == ReclaimResult::WasQueued) {
+      ++reclaimed_queued;
+      ring->push_free_slot(f.slot);
+    } else {
+      ++reclaimed_taken;
+      quarantine.emplace_back(f.slot, lap);
+    }
+    pending.push_front(f.item);
+    flight[k] = flight.back();
+    flight.pop_back();
+    return true;
+  };
+
+  while (got < N) {
+    ck.require(monotonic_ns() - t_start < 120000 * kMs, "reclaim race: no end after 120 s");
+    for (size_t i = 0; i < quarantine.size();) {
+      if (fastload::sync::load_acquire(done_lap[quarantine[i].first]) == quarantine[i].second) {
+        ring->push_free_slot(quarantine[i].first);
+        quarantine[i] = quarantine.back();
+        quarantine.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    uint32_t s = 0;
+    while (!pending.empty() && ring->pop_free_slot(&s)) {
+      const uint64_t item = pending.front();
+      pending.pop_front();
+      Flight f{s, item, static_cast<uint32_t>(item % W), Task{}};
+      f.task.magic = kTaskMagic;
+      f.task.seq = next_seq++;
+      f.task.seed = rng();
+      f.task.size = rng() % 4 == 0 ? max_size : rng() % 2048;
+      f.task.worker = f.worker;
+      f.task.check = task_check(f.task);
+      ring->assign(s, f.task.seq, f.worker, &f.task, sizeof f.task);
+      flight.emplace_back(f.task.seq, f);
+    }
+    if (!flight.empty() && rng() % 100 < o.reclaim_pct) {
+      reclaim_one(rng() % flight.size());
+      continue;
+    }
+    if (replace_every > 0 && got >= next_replace && replaced < o.replacements) {
+      next_replace += replace_every;
+      const uint32_t w = static_cast<uint32_t>(rng() % W);
+      for (size_t k = flight.size(); k-- > 0;)
+        if (flight[k].second.worker == w) reclaim_one(k);
+      ring->reset_worker(w);
+      retired.push_back(std::move(live[w]));  // still running: it must retire by itself
+      start(w, ++replaced);
+      continue;
+    }
+    if (flight.empty()) {
+      sleep_us(100);  // every slot quarantined: wait for the workers to hand them back
+      continue;
+    }
+    std::vector<uint32_t> slots;
+    std::vector<uint64_t> seqs;
+    for (const auto& e : flight) {
+      slots.push_back(e.second.slot);
+      seqs.push_back(e.first);
+    }
+    size_t which = 0;
+    const WaitResult r = ring->wait_any(slots.data(), seqs.data(), slots.size(), 20 * kMs, &which);
+    if (r == WaitResult::TimedOut) continue;
+    ck.require(r == WaitResult::Ready, "wait_any returned %s", wait_name(r));
+    const uint64_t seq = flight[which].first;
+    const Flight f = flight[which].second;
+    const SlotResult res = ring->result(f.slot);
+    const uint64_t size = std::min<uint64_t>(f.task.size, max_size);
+    ResultMeta m{};
+    const char* p = ring->payload(f.slot);
+    std::memcpy(&m, p + meta_offset_for(size), sizeof m);
+    ck.require(res.kind == result_kind(seq, f.worker) && res.data_len == size && m.seq == seq &&
+                   m.check == meta_check(m) &&
+                   find_pattern_mismatch(p, size, pattern_seed(seq, f.task.seed)) == size,
+               "seq %" PRIu64 " (item %" PRIu64 ", slot %u): wrong result: a late commit landed?",
+               seq, f.item, f.slot);
+    ck.require(delivered[f.item] == 0, "item %" PRIu64 " delivered twice", f.item);
+    delivered[f.item] = 1;
+    ++got;
+    ring->release(f.slot);
+    flight[which] = flight.back();
+    flight.pop_back();
+  }
+  // Retired threads leave on their own (no shutdown yet).
+  for (Thread& t : retired) {
+    const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
+    while (t.ended->load() == 0 && monotonic_ns() < deadline) sleep_us(500);
+    ck.require(t.ended->load() == 1, "a retired worker did not leave by itself (state %d)",
+               t.ended->load());
+    t.th.join();
+  }
+  const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
+  while (!quarantine.empty() && monotonic_ns() < deadline) {
+    if (fastload::sync::load_acquire(done_lap[quarantine.back().first]) == quarantine.back().second) {
+      ring->push_free_slot(quarantine.back().first);
+      quarantine.pop_back();
+    } else {
+      sleep_us(200);
+    }
+  }
+  ck.require(quarantine.empty(), "%zu reclaimed slots never handed back", quarantine.size());
+  ring->shutdown();
+  for (Thread& t : live) {
+    t.th.join();
+    ck.require(t.ended->load() == 2, "a live worker ended with state %d", t.ended->load());
+  }
+  ck.require(worker_failures.load() == 0, "%" PRIu64 " worker checks failed", worker_failures.load());
+  ck.require(refused.load() == reclaimed_taken,
+             "%" PRIu64 " commits refused for %" PRIu64 " tasks reclaimed from a worker",
+             refused.load(), reclaimed_taken);
+  ck.require(ring->free_slot_count() == S, "%zu of %u slots free at the end",
+             ring->free_slot_count(), S);
+  for (uint32_t i = 0; i < S; ++i)
+    ck.require(ring->state(i) == SlotState::Free, "slot %u is %s at the end", i,
+               state_name(ring->state(i)));
+  std::printf("  reclaim race: %" PRIu64 " items in %.0f ms, reclaimed %" PRIu64 " queued + %" PRIu64
+              " taken (%" PRIu64 " late commits refused), %" PRIu64 " lost to the commit, %" PRIu64
+              " workers replaced while running\n",
+              N, ms(monotonic_ns() - t_start), reclaimed_queued, reclaimed_taken, refused.load(),
+              lost_race, replaced);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1279,6 +1643,12 @@ int main(int argc, char** argv) {
     if (o.shutdown_trials > 0) {
       ck.set_who("main: shutdown race");
       shutdown_race_test(o, ck);
+    }
+    ck.set_who("main: late commit");
+    late_commit_test(o, ck);
+    if (o.reclaim_items > 0) {
+      ck.set_who("main: reclaim race");
+      reclaim_race_test(o, ck);
     }
     // Threads first would leave a multi-threaded parent to fork(); they are
     // joined by then, but processes first keeps TSan's fork support simple.
