@@ -31,7 +31,7 @@ SEED = 20240607
 
 # The C and C++ runtime; anything else (libtorch*, libc10*, libcuda*,
 # libamdhip64*, libpython*) would tie the wheel to one build of torch.
-ALLOWED = re.compile(r"^(libc|libm|libstdc\+\+|libgcc_s|libpthread|librt|ld-linux[-\w]*)\.so")
+ALLOWED = re.compile(r"^(libc|libm|libdl|libstdc\+\+|libgcc_s|libpthread|librt|ld-linux[-\w]*)\.so")
 
 
 class Squares(Dataset):
@@ -76,6 +76,11 @@ def main() -> None:
         assert under(mod.__file__, venv), f"{mod.__name__} from {mod.__file__}, not from the venv {venv}"
         assert not under(mod.__file__, source_tree), f"{mod.__name__} from the source tree: {mod.__file__}"
     print(f"fastload {fastload.__version__} from {os.path.dirname(fastload.__file__)}")
+    checks += 1
+    # One version: the wheel's metadata is read from fastload.__version__.
+    from importlib.metadata import version
+
+    assert version("fastload") == fastload.__version__, (version("fastload"), fastload.__version__)
     checks += 1
 
     from fastload import FastLoader

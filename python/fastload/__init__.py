@@ -14,4 +14,6 @@ from .install import install, installed, uninstall
 from .loader import FastLoader
 
 __all__ = ["FastLoader", "WorkerHangError", "install", "installed", "uninstall", "__version__"]
+# The one place the version is written: pyproject.toml reads it from here
+# ([tool.scikit-build.metadata.version]) for the wheel's metadata.
 __version__ = "0.1.0"
