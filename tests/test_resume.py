@@ -409,3 +409,22 @@ def test_resume_matrix(kind: str, nw: int, persistent: bool, prefetch: int) -> N
         stop = rng.randint(0, 9)
         _check_resume(lambda: _make(ds(), nw, persistent_workers=persistent,
                                     prefetch_factor=prefetch), stop_epoch, stop)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_resume_before_the_first_batch(nw: int) -> None:
+    """A state saved right after iter(), before any batch: the whole epoch,
+    in the saved order, whatever the resuming process's generator holds."""
+    make = lambda: _make(Augmented(20), nw)  # noqa: E731
+    _seed_all(0)
+    loader = make()
+    it = iter(loader)
+    sd = _roundtrip(loader.state_dict())
+    callers = _global_generators()
+    full = _epoch(it)
+    resumed = make()
+    resumed.load_state_dict(sd)
+    _seed_all(77)
+    it = iter(resumed)
+    _set_global_generators(callers)
+    assert _epoch(it) == full

@@ -202,7 +202,10 @@ class FastLoaderIter(_BaseDataLoaderIter):
         resume.draw_as_usual(self._sampler_iter)
         replay = resume.Replay(saved["epoch_start"])
         replay.rewind(loader)
-        self._sampler_iter = iter(self._index_sampler)
+        if saved["epoch_start"]["first_iter"]:  # as DataLoader's iterator began that epoch:
+            iter(self._index_sampler)  # an iterator in __init__, then the base seed,
+            resume.draw_base_seed(loader)
+        self._sampler_iter = iter(self._index_sampler)  # then its first _reset()
         self._book.new_epoch(saved["epoch_start"], first, ahead)
         for _ in range(first):
             try:

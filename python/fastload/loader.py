@@ -329,17 +329,22 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
             self._start["base_seed"] = self._base_seed
             return
         self._base_seed = saved["base_seed"]
-        resume.draw_as_usual(self._sampler_iter)
+        # The sampler's own first draw waits for the first next(), as in any
+        # iter(): nothing more is drawn here than the base seed above.
         replay = resume.Replay(self._start)
         replay.rewind(loader)
         try:
-            self._sampler_iter = iter(self._index_sampler)
+            self._sampler_iter = iter(self._index_sampler)  # as DataLoader's iterator began:
+            resume.draw_base_seed(loader)  # the sampler's iterator, then the base seed
             self._fast_forward(int(saved["position"]), stateful)
         finally:
             replay.done()
 
     def _fast_forward(self, batches: int, stateful: bool) -> None:
         if self._dataset_kind == _DatasetKind.Map:
+            # With no batch to skip, a RandomSampler's seed is drawn at the
+            # first next(), from the process's generator, as in the run that
+            # saved the state (the dataset draws from it too: restore it).
             for _ in range(batches):
                 self._next_index()
         elif not stateful:

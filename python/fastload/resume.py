@@ -251,14 +251,17 @@ class Replay:
             loader.generator.set_state(gen)
         for name, sd in self.start["samplers"].items():
             getattr(loader, name).load_state_dict(sd)
-        if self.start["first_iter"]:  # the base seed was drawn first, then the order
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
     def done(self) -> None:
         """The order is drawn: the global generator goes back to after the usual draws."""
         if self._after is not None:
             torch.set_rng_state(self._after)
             self._after = None
+
+
+def draw_base_seed(loader: Any) -> None:
+    """Draw (and drop) a base seed as DataLoader's iterator draws it."""
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
 
 def draw_as_usual(sampler_iter: Any) -> None:
