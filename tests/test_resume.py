@@ -309,6 +309,22 @@ def test_incompatible_states_are_refused() -> None:
         _make(Augmented(30), 2).load_state_dict({"_num_yielded": 3})
 
 
+def test_a_stateful_dataloader_shuffled_state_needs_a_generator() -> None:
+    """The state torchdata's StatefulDataLoader writes (the real one is taken
+    over in tests/integration/test_torchdata.py): a shuffled order can be
+    taken over only by a loader drawing its permutation from a generator."""
+    sdl_state = {"_snapshot": {"_snapshot_step": 2, "_main_snapshot": {
+        "_num_workers": 2, "_base_seed": 5,
+        "_sampler_iter_state": {"samples_yielded": 6, "sampler_iter_state": {
+            "yielded": 6, "generator": torch.Generator().get_state()}}}},
+        "_steps_since_snapshot": 0, "_iterator_finished": False}
+    with pytest.raises(ValueError, match="given a generator"):
+        _make(Augmented(30), 2).load_state_dict(sdl_state)
+    with pytest.raises(ValueError, match="num_workers=2.*num_workers=3"):
+        _make(Augmented(30), 3, generator=torch.Generator()).load_state_dict(sdl_state)
+    _make(Augmented(30), 2, generator=torch.Generator()).load_state_dict(sdl_state)
+
+
 class KillOnce(Augmented):
     """Augmented, whose worker dies once (SIGKILL) when it reaches ``bad``."""
 

@@ -212,7 +212,14 @@ class FastLoader(DataLoader[T_co]):
         :meth:`state_dict`). Raises ValueError if it was saved by another
         fastload version or for a loader with another ``num_workers``,
         ``batch_size``, ``drop_last``, dataset kind or length, or
-        ``persistent_workers``."""
+        ``persistent_workers``.
+
+        Also takes the state dict torchdata's ``StatefulDataLoader`` writes
+        for a map-style dataset: its position and sampler order (for a
+        shuffled order, give this loader a ``generator``); see the README.
+        """
+        if resume.is_stateful_dataloader_state(state_dict):
+            state_dict = resume.from_stateful_dataloader(state_dict, self)
         resume.check_compatible(state_dict, resume.loader_facts(self))
         self._fastload_state.resume = state_dict
         if self._iterator is not None:  # a persistent iterator starts anew from the state
@@ -335,7 +342,8 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
         replay.rewind(loader)
         try:
             self._sampler_iter = iter(self._index_sampler)  # as DataLoader's iterator began:
-            resume.draw_base_seed(loader)  # the sampler's iterator, then the base seed
+            if self._start["first_iter"]:  # the sampler's iterator, then the base seed
+                resume.draw_base_seed(loader)
             self._fast_forward(int(saved["position"]), stateful)
         finally:
             replay.done()

@@ -357,6 +357,55 @@ def worker_resume(state: Optional[Dict[str, Any]], mid_epoch: bool) -> Optional[
     return (capture_, skip)
 
 
+def is_stateful_dataloader_state(sd: Any) -> bool:
+    """Whether ``sd`` looks like the state dict torchdata's StatefulDataLoader writes."""
+    return isinstance(sd, dict) and _KEY not in sd and (
+        "_snapshot" in sd or ("_num_yielded" in sd and "_sampler_iter_state" in sd))
+
+
+def from_stateful_dataloader(sd: Dict[str, Any], loader: Any) -> Dict[str, Any]:
+    """A fastload state from the state dict torchdata's ``StatefulDataLoader``
+    writes for a map-style dataset, where the two map exactly: the position
+    (batches delivered) and the sampler's order, which is the same when the
+    order comes from the loader's ``generator`` (StatefulDataLoader keeps its
+    state as the epoch's permutation was drawn) or from no generator at all
+    (a sequential sampler). Its workers carry no generator states, so the
+    workers start as fresh ones from its base seed, as its own would.
+    """
+    facts = loader_facts(loader)
+    if facts["dataset_kind"] != "map":
+        raise ValueError("load_state_dict: a StatefulDataLoader state can be taken over for a "
+                         "map-style dataset only")
+    main = sd["_snapshot"]["_main_snapshot"] if "_snapshot" in sd else sd
+    finished = bool(sd.get("_iterator_finished", False))
+    if "_snapshot" in sd:
+        position = sd["_snapshot"]["_snapshot_step"] + sd.get("_steps_since_snapshot", 0)
+        num_workers = main.get("_num_workers", 0)
+    else:
+        position, num_workers = sd["_num_yielded"], 0
+    if num_workers != facts["num_workers"]:
+        raise ValueError(f"load_state_dict: the StatefulDataLoader state was saved with "
+                         f"num_workers={num_workers}, this loader has "
+                         f"num_workers={facts['num_workers']}; resume needs the same")
+    it_state = main.get("_sampler_iter_state") or {}
+    it_state = it_state.get("sampler_iter_state", it_state) or {}
+    generator = it_state.get("generator") if isinstance(it_state, dict) else None
+    if generator is not None and not isinstance(loader.generator, torch.Generator):
+        raise ValueError("load_state_dict: this StatefulDataLoader state shuffles with its own "
+                         "generator; fastload can take its order over only when the loader is "
+                         "given a generator (generator=torch.Generator()), as torch's "
+                         "RandomSampler then draws its permutation from it")
+    base_seed = main.get("_base_seed")
+    if base_seed is None:
+        base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    start = {"torch_rng": torch.get_rng_state(), "generator": generator, "samplers": {},
+             "first_iter": False, "base_seed": base_seed}
+    nw = facts["num_workers"]
+    return {**facts, "position": None if finished else int(position), "delivered_ahead": [],
+            "epoch_start": start, "base_seed": base_seed, "next_worker": int(position) % max(nw, 1),
+            "workers_active": [True] * nw, "workers": [None] * nw, "dataset_state": None}
+
+
 def check_compatible(saved: Dict[str, Any], here: Dict[str, Any]) -> None:
     """Raise ValueError naming what differs between a saved state and this loader."""
     if not isinstance(saved, dict) or _KEY not in saved:
