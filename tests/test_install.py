@@ -483,3 +483,39 @@ def test_wheel_ships_the_pth_and_installs_with_the_env_var(tmp_path):
         assert p.returncode == 0, p.stderr
         assert _lines(p.stdout)["iterator"] == want
     shutil.rmtree(venv)
+
+
+def _zygote_pids() -> set:
+    import psutil
+
+    out = set()
+    for c in psutil.Process().children():
+        try:
+            if "fastload zygote" in " ".join(c.cmdline()):
+                out.add(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_install_starts_the_zygote_that_the_first_loader_takes() -> None:
+    """install() starts the zygote at once (it imports torch while the script
+    builds its model); the first loader forks its workers from that one."""
+    fastload.install()
+    started = _zygote_pids()
+    assert len(started) == 1
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2)
+    it = iter(loader)
+    assert isinstance(it, FastLoaderIter)
+    assert _zygote_pids() == started  # no second zygote
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    del it, loader
+
+
+def test_uninstall_stops_an_untaken_zygote() -> None:
+    fastload.install()
+    (pid,) = _zygote_pids()
+    fastload.uninstall()
+    import psutil
+
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -18,16 +18,20 @@ A class that overrides ``_get_iterator`` without calling
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .iterator import FastLoaderIter
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .warm import LoaderState
+from .launch import Zygote
+from .pool import start_zygote
+from .warm import LoaderState, stop_spare_zygotes
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -37,6 +41,10 @@ _lock = threading.Lock()
 _active = False
 _defaults = LoaderOptions()
 _announced = False  # the INFO line for the first loader iterated since install()
+# The zygote install() starts at once, so that it imports torch while the
+# script builds its model; the first hooked loader that forks its workers
+# from a zygote takes it (stopped by uninstall() or at exit if none does).
+_spare_zygotes: List[Zygote] = []
 # DataLoader._get_iterator as found when install() replaced it.
 _original: Optional[Callable[[DataLoader], _BaseDataLoaderIter]] = None
 
@@ -70,7 +78,9 @@ def install(
     iterator keeps the options it started with).
 
     One INFO line on the ``"fastload"`` logger tells when the first loader
-    runs on fastload.
+    runs on fastload. The zygote the first loader's workers fork from is
+    started now, in the background: it imports torch while the script
+    builds its model, so the first epoch does not wait for it.
 
     Raises:
         TypeError: an unknown option.
@@ -86,6 +96,8 @@ def install(
         _defaults = options
         if _active:
             return
+        if not _spare_zygotes:
+            _spare_zygotes.append(start_zygote(not options.allow_gpu_in_workers))
         if _original is None:  # else our hook is still in place (see uninstall)
             _original = DataLoader.__dict__["_get_iterator"]
             DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign]
@@ -105,6 +117,7 @@ def uninstall() -> None:
         if not _active:
             return
         _active = False
+        stop_spare_zygotes(_spare_zygotes)
         if DataLoader.__dict__.get("_get_iterator") is _get_iterator:
             assert _original is not None
             DataLoader._get_iterator = _original  # type: ignore[method-assign]
@@ -134,6 +147,11 @@ def _get_iterator(self: DataLoader) -> _BaseDataLoaderIter:
     state = self.__dict__.get(STATE_ATTR)
     if state is None:
         state = self.__dict__[STATE_ATTR] = LoaderState(_defaults)
+        if self.multiprocessing_context is None:
+            with _lock:  # the zygote install() started, if no loader took it yet
+                state.spare_zygotes.extend(_spare_zygotes)
+                _spare_zygotes.clear()
+            weakref.finalize(self, stop_spare_zygotes, state.spare_zygotes)
     elif state.options is not _defaults:  # install() was called again since
         state.options = _defaults
     _announce(self)
@@ -149,3 +167,6 @@ def _announce(loader: DataLoader) -> None:
     log.info("fastload: installed: %s (num_workers=%d) is the first loader to run on fastload; "
              "every DataLoader with workers does from now on", type(loader).__qualname__,
              loader.num_workers)
+
+
+atexit.register(stop_spare_zygotes, _spare_zygotes)
