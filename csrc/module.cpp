@@ -161,6 +161,9 @@ PYBIND11_MODULE(_core, m) {
            "The lowest free slot (the highest with highest=True, for tasks that "
            "write no batch), or None.")
       .def("free_slot_count", &Ring::free_slot_count)
+      .def("trim_free_slot", &Ring::trim_free_slot, py::arg("slot"), py::arg("keep"),
+           "Give the pages of a free slot past its first `keep` bytes back to the kernel "
+           "(memfd segments only); returns the bytes released.")
       .def("push_free_slot", &Ring::push_free_slot, py::arg("slot"),
            "Put back a slot from pop_free_slot() that was never assigned.")
       .def("assign",

@@ -1,6 +1,8 @@
 #include "ring.h"
 
 #include <cstring>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -207,6 +209,23 @@ void Ring::push_free_slot(uint32_t s) {
     throw std::logic_error("fastload: push_free_slot() of slot " + str(s) +
                            ", which is already free");
   set_free_bit(s);
+}
+
+size_t Ring::trim_free_slot(uint32_t s, size_t keep) {
+  check_slot(s);
+  if (seg_.backend() != SegmentBackend::Memfd) return 0;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t slot_bytes = static_cast<size_t>(hdr_->slot_bytes);
+  keep = (keep + page - 1) / page * page;
+  if (keep >= slot_bytes) return 0;
+  // Under the bitmap's lock: the slot stays free (and so untouched by any
+  // worker) while its pages go.
+  std::lock_guard<std::mutex> g(free_mu_);
+  if (!(free_bits_[s / 64] & (uint64_t{1} << (s % 64)))) return 0;
+  char* start = payload(s) + keep;
+  const size_t len = slot_bytes - keep;
+  if (madvise(start, len, MADV_REMOVE) != 0) return 0;
+  return len;
 }
 
 size_t Ring::free_slot_count() const {

@@ -223,6 +223,12 @@ class Ring {
   // Puts back a FREE slot taken by pop_free_slot() (or reclaim()) and never
   // assigned. Throws std::logic_error if it is not FREE or already free.
   void push_free_slot(uint32_t slot);
+  // Gives the pages of free slot `slot` past its first `keep` bytes (rounded
+  // up to a page) back to the kernel, so a slot that once held an outlier
+  // batch does not keep its memory. Memfd segments only (the shm fallback
+  // reserved its pages on purpose); a slot not on the free bitmap is left
+  // alone. Returns the bytes of the range released, 0 when nothing was done.
+  size_t trim_free_slot(uint32_t slot, size_t keep);
   // FREE -> ASSIGNED under the next lap, task bytes copied to the payload
   // start, queued for `worker`. The slot must have been taken off the free
   // bitmap (pop_free_slot() or reclaim()).

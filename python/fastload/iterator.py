@@ -135,6 +135,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
                                [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
         try:
             self._ledger.drain(self._wait_one)  # what a previous iterator left in flight
+            self._trim_slots(state)
             self._ledger.make_free(self._num_workers)
             pool.start_session(self._blob, self._base_seed, resume=workers)
         except BaseException:
@@ -168,6 +169,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
             # previous epoch's batches, then tag tasks with the new epoch.
             self._release_unclaimed()
             self._ledger.drain(self._wait_one)
+            self._trim_slots(self._state_ref())
             self._epoch += 1
         self._send_idx = 0
         self._rcvd_idx = 0
@@ -228,6 +230,13 @@ class FastLoaderIter(_BaseDataLoaderIter):
         index = super()._next_index()
         self._drawn += 1
         return index
+
+    def _trim_slots(self, state: Optional[LoaderState]) -> None:
+        """An epoch starts: free slots give back the pages an outlier batch
+        made them keep (see SlotLedger.trim_free)."""
+        keep = state.slot_keep() if state is not None else None
+        if keep is not None:
+            self._ledger.trim_free(keep)
 
     def _release_unclaimed(self) -> None:
         """Free the slots of results nobody will take (their batches were skipped)."""
@@ -383,8 +392,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         finally:
             self._book.taken(rec.worker, rec.idx, self._reader.snapshot, self._num_yielded)
             state = self._state_ref()
-            if state is not None:
-                state.learn(self._reader.largest_batch)
+            if state is not None and self._reader.batch_bytes:
+                state.learn(self._reader.batch_bytes)
             if self._prefetch_factor > 1:
                 # NOTE [ Ordering ]: the refill goes out at the next __next__;
                 # its index is drawn now, as DataLoader draws it.

@@ -194,6 +194,15 @@ class SlotLedger:
         held = len(self._gate) if self._gate is not None else 0  # waiting for device copies
         return self._ring.num_slots - self._ring.free_slot_count() - len(self._records) - held
 
+    def trim_free(self, keep: int) -> int:
+        """Give back the pages of every free slot past its first ``keep``
+        bytes (a slot keeps its pages once written: one outlier batch would
+        otherwise pin its size for good); returns the bytes released. Not
+        for a pinned ring, whose pages are registered with the device."""
+        if self._gate is not None:
+            return 0
+        return sum(self._ring.trim_free_slot(s, keep) for s in range(self._ring.num_slots))
+
     # ---- one worker ----------------------------------------------------------
     def of_worker(self, worker: int) -> Iterator[Record]:
         return (r for r in self._records.values() if r.worker == worker)

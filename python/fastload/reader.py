@@ -41,7 +41,7 @@ class SlotReader:
         self._recv_overflow = recv_overflow
         self._held_batches = held_batches
         self._pinner = pinner
-        self.largest_batch = 0  # bytes of the largest batch read, to size slots
+        self.batch_bytes = 0  # bytes of the batch last read, to size slots
         # The resume capture that came with the batch last taken (pickled; see
         # fastload.resume): the worker's state when it had made that batch.
         self.snapshot: Optional[bytes] = None
@@ -67,8 +67,7 @@ class SlotReader:
             overflow = self._map_overflow(rec)
             meta = memoryview(overflow)[meta_off : meta_off + meta_len]
             lease_len = data_len  # the meta lies in the overflow segment
-        self.largest_batch = max(self.largest_batch,
-                                 lease_len + (len(overflow) if overflow is not None else 0))
+        self.batch_bytes = lease_len + (len(overflow) if overflow is not None else 0)
         if lease_len == 0:
             ring.release(rec.slot)
             return _read(rec, meta, [None, overflow])

@@ -11,9 +11,11 @@ from the largest batch seen, so a second epoch gets slots that fit.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
-from typing import Any, List, Optional, Tuple
+import statistics
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
@@ -79,6 +81,7 @@ class LoaderState:
     def __init__(self, options: LoaderOptions) -> None:
         self.options = options
         self.learned_batch_bytes = 0
+        self.recent_batch_bytes: Deque[int] = collections.deque(maxlen=64)
         self.idle_pool: Optional[WorkerPool] = None
         self.spare_zygotes: List[Zygote] = []
         self.warned_fork = False  # said that its workers fork from this process
@@ -114,9 +117,18 @@ class LoaderState:
         return BlockingOps(device)
 
     def learn(self, batch_bytes: int) -> None:
-        """Remember the largest batch seen: later pools get slots that fit it."""
+        """Remember the largest batch seen (later pools get slots that fit
+        it) and the recent ones (what a slot keeps, see :meth:`slot_keep`)."""
         if batch_bytes > self.learned_batch_bytes:
             self.learned_batch_bytes = batch_bytes
+        self.recent_batch_bytes.append(batch_bytes)
+
+    def slot_keep(self) -> Optional[int]:
+        """The bytes a free slot keeps at an epoch's start: twice the median
+        of the recent batches (at least 1 MiB); None before any batch."""
+        if not self.recent_batch_bytes:
+            return None
+        return max(2 * statistics.median_low(self.recent_batch_bytes), _MIN_SLOT_BYTES)
 
     def slot_bytes(self, force_shm: bool) -> int:
         slot_bytes = self.options.slot_bytes
