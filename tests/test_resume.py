@@ -444,3 +444,27 @@ def test_resume_before_the_first_batch(nw: int) -> None:
     it = iter(resumed)
     _set_global_generators(callers)
     assert _epoch(it) == full
+
+
+def test_the_private_names_resume_relies_on() -> None:
+    """torch's IterableDataset fetcher pulls from its ``dataset_iter``
+    attribute (a resumed replica without state_dict() is counted and
+    fast-forwarded through it); numpy's global generator's Mersenne Twister
+    words are readable raw (the fast capture; with another layout the
+    capture falls back to get_state(), and this test says so)."""
+    from torch.utils.data import _DatasetKind
+
+    from fastload import resume
+
+    fetcher = _DatasetKind.create_fetcher(_DatasetKind.Iterable, Stream(6), True,
+                                          lambda b: [int(x[0]) for x in b], False)
+    fetcher.dataset_iter = resume.CountingIter(fetcher.dataset_iter)
+    assert fetcher.fetch([None, None]) == [0, 1]
+    assert fetcher.dataset_iter.count == 2
+    cap = resume.Capturer()
+    assert cap._raw_address(np) is not None
+    np.random.seed(3)
+    first = cap.capture(0)[2]
+    np.random.randn()  # leaves a cached Gaussian: only get_state() shows it
+    second = cap.capture(0)[2]
+    assert first != second and second[3] == 1

@@ -93,7 +93,7 @@ class Capturer:
         try:
             import ctypes
 
-            addr = np.random.mtrand._rand._bit_generator.ctypes.state_address
+            addr = np.random.get_bit_generator().ctypes.state_address  # numpy >= 1.25
             raw = ctypes.string_at(addr, self._MT_BYTES)
             _name, keys, pos = np.random.get_state(legacy=True)[:3]
             if raw == keys.tobytes() + int(pos).to_bytes(4, sys.byteorder, signed=True):
