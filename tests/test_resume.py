@@ -184,6 +184,20 @@ def test_second_epoch_of_persistent_workers() -> None:
     _check_resume(lambda: _make(Augmented(24), 2, persistent_workers=True), 1, 3)
 
 
+def test_a_worker_whose_last_batch_was_in_the_epoch_before() -> None:
+    """Saved after one batch of the second epoch: two of the three persistent
+    workers last delivered a batch in the first epoch, whose last batches
+    must count as delivered."""
+    _check_resume(lambda: _make(Augmented(25), 3, persistent_workers=True, prefetch_factor=1),
+                  1, 1)
+
+
+def test_a_replica_seen_ending_with_a_batch_undelivered() -> None:
+    """Saved when the loader already knew a replica had ended but had not yet
+    delivered that replica's last batch: the resumed replica makes it again."""
+    _check_resume(lambda: _make(Stream(25), 3, prefetch_factor=3), 0, 7)
+
+
 def test_stateful_iterable_dataset_is_loaded_not_fast_forwarded() -> None:
     _check_resume(lambda: _make(StatefulStream(30), 2), 0, 4)
     loader = _make(StatefulStream(30), 2)

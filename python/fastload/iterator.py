@@ -158,6 +158,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
             start = saved["epoch_start"]
         else:
             start = resume.epoch_start(loader, self._base_seed, False)
+        yielded_before = self._num_yielded if not first_iter else 0
         super()._reset(loader, first_iter)
         if self._prefetcher is not None:
             self._prefetcher.reset()
@@ -185,7 +186,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
         if mid_epoch:
             first_worker, replay = self._fast_forward(saved, loader)
         else:
-            self._book.new_epoch(start)
+            self._book.new_epoch(start, yielded_before)
         self._worker_queue_idx_cycle = itertools.cycle(
             [*range(first_worker, self._num_workers), *range(first_worker)])
         try:
@@ -208,14 +209,15 @@ class FastLoaderIter(_BaseDataLoaderIter):
             iter(self._index_sampler)  # an iterator in __init__, then the base seed,
             resume.draw_base_seed(loader)
         self._sampler_iter = iter(self._index_sampler)  # then its first _reset()
-        self._book.new_epoch(saved["epoch_start"], first, ahead)
+        self._book.new_epoch(saved["epoch_start"], 0, first, ahead)
         for _ in range(first):
             try:
                 _BaseDataLoaderIter._next_index(self)
             except StopIteration:
                 self._sampler_done = True
                 break
-        self._drawn = self._send_idx = self._rcvd_idx = self._num_yielded = first
+        self._drawn = self._send_idx = self._rcvd_idx = first
+        self._num_yielded = first + len(ahead)
         self._skip_draw, self._skip_send = set(ahead), set(ahead)
         self._workers_status = list(saved["workers_active"])
         return int(saved["next_worker"]), replay
@@ -427,7 +429,11 @@ class FastLoaderIter(_BaseDataLoaderIter):
             "position": first, "delivered_ahead": book.ahead(),
             "epoch_start": book.start, "base_seed": self._base_seed,
             "next_worker": rec.worker if rec is not None else self._cycle_next,
-            "workers_active": list(self._workers_status), "workers": book.worker_states(),
+            # A replica seen to end that still has undelivered batches is
+            # active for the resumed epoch: it makes them again, then ends.
+            "workers_active": [self._workers_status[w] or any(
+                r.worker == w for r in self._task_info.values()) for w in range(self._num_workers)],
+            "workers": book.worker_states(),
         }
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------

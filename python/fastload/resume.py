@@ -302,12 +302,16 @@ class ResumeBook:
         self.first_undelivered = 0
         self._ahead: set = set()  # delivered batch numbers past first_undelivered
 
-    def new_epoch(self, start: Dict[str, Any], first_undelivered: int = 0,
-                  ahead: Tuple[int, ...] = ()) -> None:
+    def new_epoch(self, start: Dict[str, Any], yielded_before: int = 0,
+                  first_undelivered: int = 0, ahead: Tuple[int, ...] = ()) -> None:
+        """An epoch starts (``yielded_before``: how many batches the loop
+        received of the one before); a resumed one at ``first_undelivered``
+        with the batches in ``ahead`` delivered too."""
+        self.fold(yielded_before)  # the last batches of the epoch before
         self.start = start
         self.epoch += 1
         self._pending.clear()
-        self._taken = 0
+        self._taken = first_undelivered + len(ahead)  # numbered as the loop counts them
         self.first_undelivered = first_undelivered
         self._ahead = set(ahead)
 
