@@ -76,9 +76,9 @@ def _install() -> None:
             pass
         _finder = None
     try:
-        import fastload
+        from fastload.install import install_for_process_tree
 
-        fastload.install()
+        install_for_process_tree()
     except Exception:
         import logging
 

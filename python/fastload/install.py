@@ -86,17 +86,29 @@ def install(
         TypeError: an unknown option.
         ValueError: a bad value for an option.
     """
-    global _active, _defaults, _announced, _original
-    options = LoaderOptions(
+    _activate(LoaderOptions(
         allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
         held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
         max_worker_restarts=max_worker_restarts, device=device,
-    )
+    ), start_zygote_now=True)
+
+
+def install_for_process_tree() -> None:
+    """``install()`` as ``FASTLOAD_INSTALL=1`` runs it, in every Python process
+    of a tree that imports torch's DataLoader: with the default options and
+    no zygote started ahead (launchers, compile workers and tools in the
+    tree install too, and most of them never iterate a loader; a loader
+    starts its own zygote when it first needs one)."""
+    _activate(LoaderOptions(), start_zygote_now=False)
+
+
+def _activate(options: LoaderOptions, start_zygote_now: bool) -> None:
+    global _active, _defaults, _announced, _original
     with _lock:
         _defaults = options
         if _active:
             return
-        if not _spare_zygotes:
+        if start_zygote_now and not _spare_zygotes:
             _spare_zygotes.append(start_zygote(not options.allow_gpu_in_workers))
         if _original is None:  # else our hook is still in place (see uninstall)
             _original = DataLoader.__dict__["_get_iterator"]

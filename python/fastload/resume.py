@@ -139,6 +139,10 @@ def apply(session: Any, resume: Optional[tuple]) -> None:
     if resume is None:
         return
     snapshot, skip = resume
+    if skip or snapshot[4] is not None:
+        # Mid-epoch: the fetcher made here is that epoch's (the first epoch
+        # of the resumed iterator, tagged 0); the next epoch makes a new one.
+        session.epoch = 0
     ds_state = snapshot[4]
     if ds_state is not None:
         session.dataset.load_state_dict(ds_state)
