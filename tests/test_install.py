@@ -334,9 +334,9 @@ def test_accelerate_prepare_runs_on_fastload(monkeypatch):
     made: List[str] = []
     real_init = FastLoaderIter.__init__
 
-    def spy(self: Any, loader: Any, *args: Any) -> None:
+    def spy(self: Any, loader: Any, *args: Any, **kw: Any) -> None:
         made.append(type(loader).__name__)
-        real_init(self, loader, *args)
+        real_init(self, loader, *args, **kw)
 
     monkeypatch.setattr(FastLoaderIter, "__init__", spy)
     fastload.install()
