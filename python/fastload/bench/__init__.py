@@ -4,7 +4,7 @@
 DataLoader at the same ``num_workers``, batch size and start method, the two
 alternating (A B, then B A) for ``--rounds`` rounds, each run in a fresh
 process, and prints medians: steady-state samples/s and batches/s, the ratio
-fastload/DataLoader against issue 3's target, time to first batch (cold: a
+fastload/DataLoader against its target, time to first batch (cold: a
 fresh process; warm: the second epoch with ``persistent_workers=False``),
 main-process CPU time per batch, peak PSS of main + workers, and whether
 every index arrived exactly once, in order, with the content of an

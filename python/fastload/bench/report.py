@@ -1,4 +1,4 @@
-"""Medians, the targets of issue 3, the table, the JSON and the plot."""
+"""Medians, the performance targets, the table, the JSON and the plot."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _mark(ok: Optional[bool]) -> str:
 
 def targets(w: Workload, fl: Dict[str, Any], dl: Dict[str, Any], limits: Dict[str, Any],
             workers: int, batch_size: int) -> List[Dict[str, Any]]:
-    """Issue 3's targets for one workload, from the medians of this run."""
+    """The performance targets for one workload, from the medians of this run."""
     out: List[Dict[str, Any]] = []
 
     def ratio(m: str) -> Optional[float]:

@@ -98,10 +98,9 @@ class Tiny(Dataset):
 
     ``x`` is row ``i % 1009`` of a table made once per process (the values
     ``arange(16) + i % 1009``): the sample costs an index, so the loader's
-    own per-batch work is what is measured. One process makes ~750k
-    samples/s of it here, as the issue's reference ~700k; an earlier version
-    computed ``x`` with ``torch.add`` per sample (~210k samples/s), which
-    made the workload mostly dataset time.
+    own per-batch work is what is measured (one process makes ~750k
+    samples/s of it on a 2-core VM; computing ``x`` with ``torch.add`` per
+    sample would make the workload mostly dataset time).
     """
 
     def __init__(self, n: int = BIG) -> None:
