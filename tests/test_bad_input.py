@@ -1,6 +1,6 @@
 """Bad input with real workers (num_workers=2), against DataLoader.
 
-Issue 4, part 4. Each test feeds the loader one kind of bad input, compares
+Each test feeds the loader one kind of bad input, compares
 what FastLoader does with what ``torch.utils.data.DataLoader`` does wherever
 DataLoader has a defined behaviour (exception type, worker number, the
 original exception's last line), checks that fastload's error names the

@@ -1,4 +1,4 @@
-"""fastload.install(): DataLoaders that libraries build run on fastload (DESIGN decision 10).
+"""fastload.install(): DataLoaders that libraries build run on fastload.
 
 Every comparison is against torch's own DataLoader with the same seed: with
 install() in effect the same loader object gives the same batches, and its

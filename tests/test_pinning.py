@@ -1,4 +1,4 @@
-"""Pinned batches and device prefetch (issue 5).
+"""Pinned batches and device prefetch.
 
 No GPU here: the logic is tested with a fake runtime that behaves like an
 asynchronous device. A fake "non_blocking copy" is queued on a fake stream
