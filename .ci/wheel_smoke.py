@@ -16,22 +16,19 @@ Prints ``wheel smoke: OK (N checks)`` at the end, or raises.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
 import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from elf_check import check_needed  # copied beside this script by .ci/wheel
+
 N_ITEMS = 37  # not a multiple of the batch size: the last batch is short
 BATCH = 4
 WORKERS = 2
 SEED = 20240607
 
-# The C and C++ runtime; anything else (libtorch*, libc10*, libcuda*,
-# libamdhip64*, libpython*) would tie the wheel to one build of torch.
-ALLOWED = re.compile(r"^(libc|libm|libdl|libstdc\+\+|libgcc_s|libpthread|librt|ld-linux[-\w]*)\.so")
 
 
 class Squares(Dataset):
@@ -107,17 +104,7 @@ def main() -> None:
     assert not torch.cuda.is_initialized(), "an accelerator context was created in the main process"
     checks += 1
 
-    out = subprocess.run(["readelf", "-d", core.__file__], capture_output=True, text=True, check=True).stdout
-    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
-    assert needed, out
-    bad = [n for n in needed if not ALLOWED.match(n)]
-    assert not bad, f"{core.__file__} needs {bad} (all: {needed})"
-    # No search path into a build directory (auditwheel adds $ORIGIN-relative
-    # ones only when it grafts libraries, which it should not need to).
-    paths = re.findall(r"\((?:RPATH|RUNPATH)\)\s+Library (?:rpath|runpath): \[([^\]]*)\]", out)
-    bad_paths = [p for p in ":".join(paths).split(":") if p and not p.startswith("$ORIGIN")]
-    assert not bad_paths, f"{core.__file__} has RPATH/RUNPATH {bad_paths}"
-    print(f"{os.path.basename(core.__file__)} NEEDED: {', '.join(needed)}")
+    print(check_needed(core.__file__))
     checks += 1
 
     print(f"wheel smoke: OK ({checks} checks)")

@@ -25,13 +25,13 @@ import subprocess
 import sys
 from types import ModuleType
 
+from elf_check import check_needed  # copied beside this script by .ci/wheel
+
 TASK = b"ping from the parent"
 REPLY = b"pong from the child"
 SEQ = 7
 WORKER = 0
 
-# Kept in step with wheel_smoke.py: the C and C++ runtime, nothing else.
-ALLOWED = re.compile(r"^(libc|libm|libdl|libstdc\+\+|libgcc_s|libpthread|librt|ld-linux[-\w]*)\.so")
 
 
 def load_core() -> ModuleType:
@@ -116,15 +116,7 @@ def main() -> None:
     print(f"ring ({ring.backend}): {len(TASK)} bytes to a child process, {len(REPLY)} bytes back")
     checks += 1
 
-    out = subprocess.run(["readelf", "-d", core.__file__], capture_output=True, text=True, check=True).stdout
-    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
-    assert needed, out
-    bad = [n for n in needed if not ALLOWED.match(n)]
-    assert not bad, f"{core.__file__} needs {bad} (all: {needed})"
-    paths = re.findall(r"\((?:RPATH|RUNPATH)\)\s+Library (?:rpath|runpath): \[([^\]]*)\]", out)
-    bad_paths = [p for p in ":".join(paths).split(":") if p and not p.startswith("$ORIGIN")]
-    assert not bad_paths, f"{core.__file__} has RPATH/RUNPATH {bad_paths}"
-    print(f"{os.path.basename(core.__file__)} NEEDED: {', '.join(needed)}")
+    print(check_needed(core.__file__))
     checks += 1
 
     print(f"wheel core smoke: OK ({checks} checks)")
