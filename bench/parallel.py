@@ -2,9 +2,9 @@
 processes, no loader at all, each running ``dataset[i]`` + collate on one
 torch thread, all started together, against one such process alone.
 
-The ``jpeg`` target of issue 3 assumes N workers can reach N x the one-process
-rate; on a VM whose cores slow each other down (shared caches, memory
-bandwidth, a noisy host) they cannot, and this script measures by how much,
+The ``jpeg`` target assumes N workers can reach N x the one-process rate;
+on a VM whose cores slow each other down (shared caches, memory bandwidth, a
+noisy host) they cannot, and this script measures by how much,
 over several rounds (the README quotes the same figure from the benchmark's
 own run, where it is measured beside the loaders)::
 

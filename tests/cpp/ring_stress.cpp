@@ -288,6 +288,21 @@ void fill_pattern(char* p, uint64_t size, uint64_t pseed) {
   }
 }
 
+// A worker's result for task `seq`: `size` bytes of its pattern, then its
+// meta (stamped with the time just before commit()) after them.
+void write_result(char* p, uint64_t size, uint64_t seq, uint64_t seed, uint32_t worker) {
+  fill_pattern(p, size, pattern_seed(seq, seed));
+  ResultMeta m{};
+  m.magic = kResultMagic;
+  m.seq = seq;
+  m.seed = seed;
+  m.size = size;
+  m.worker = worker;
+  m.check = meta_check(m);
+  m.commit_ns = monotonic_ns();
+  std::memcpy(p + meta_offset_for(size), &m, sizeof m);
+}
+
 // Returns the first bad byte offset, or size when the whole pattern matches.
 uint64_t find_pattern_mismatch(const char* p, uint64_t size, uint64_t pseed) {
   const uint64_t words = size / 8;
@@ -451,16 +466,7 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     if (!ck.check(meta_offset_for(size) + sizeof(ResultMeta) <= ring.slot_bytes(),
                   "task size %" PRIu64 " does not fit", size))
       size = 0;
-    fill_pattern(p, size, pattern_seed(task.seq, task.seed));
-    ResultMeta m{};
-    m.magic = kResultMagic;
-    m.seq = task.seq;
-    m.seed = task.seed;
-    m.size = size;
-    m.worker = w;
-    m.check = meta_check(m);
-    m.commit_ns = monotonic_ns();
-    std::memcpy(p + meta_offset_for(size), &m, sizeof m);
+    write_result(p, size, task.seq, task.seed, w);
     const fastload::CommitResult cr = ring.commit(
         t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
     ck.check(cr == fastload::CommitResult::Committed, "seq %" PRIu64 ": commit refused", t.seq);
@@ -1430,15 +1436,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
         worker_failures.fetch_add(1);
       if (rng() % 100 < 30) sleep_us(rng() % 200);
       const uint64_t size = std::min<uint64_t>(task.size, max_size);
-      fill_pattern(p, size, pattern_seed(t.seq, task.seed));
-      ResultMeta m{};
-      m.magic = kResultMagic;
-      m.seq = t.seq;
-      m.seed = task.seed;
-      m.size = size;
-      m.worker = w;
-      m.check = meta_check(m);
-      std::memcpy(p + meta_offset_for(size), &m, sizeof m);
+      write_result(p, size, t.seq, task.seed, w);
       if (rng() % 100 < 10) sleep_us(rng() % 100);
       const CommitResult cr = ring->commit(
           t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
