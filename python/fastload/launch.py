@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import crossing
 
@@ -72,6 +72,7 @@ _EXITED = struct.Struct("<cii")  # b"X", pid, exit code (negative: signal)
 _MAX_FDS = 250  # SCM_RIGHTS carries at most 253 fds per message
 _PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
 _PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
+_UNPICKLING = b"p"  # _PRELOAD's shape: the zygote has begun unpickling session token
 _WHY_MAX = 1000
 
 # Outcomes of a preload (Zygote.preload).
@@ -445,7 +446,7 @@ class Zygote:
                 socket.send_fds(self._ctl, [head], fds)
                 os.close(fds[0])
                 fds[0] = -1
-                deadline = None if timeout is None else time.monotonic() + timeout
+                deadline = None  # the clock starts when it starts unpickling
                 while True:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     msg = self._recv(left)
@@ -453,10 +454,15 @@ class Zygote:
                         return LOST, "the zygote exited while unpickling the session"
                     if msg == b"":
                         return LOST, f"the zygote did not unpickle the session within {timeout} s"
-                    if msg[:1] == _PRELOAD_REQ:
-                        got, outcome = _PRELOAD.unpack_from(msg)[1:]
-                        if got == token:
-                            return outcome, msg[_PRELOAD.size:].decode(errors="replace")
+                    if msg[:1] not in (_PRELOAD_REQ, _UNPICKLING):
+                        continue  # an exit report
+                    kind, got, outcome = _PRELOAD.unpack_from(msg)
+                    if got != token:
+                        continue  # about an earlier request (interrupted)
+                    if kind == _PRELOAD_REQ:
+                        return outcome, msg[_PRELOAD.size:].decode(errors="replace")
+                    if timeout is not None:
+                        deadline = time.monotonic() + timeout
         finally:
             if fds[0] >= 0:
                 os.close(fds[0])
@@ -538,22 +544,23 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _fds() -> set:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _opened_since(before: set) -> List[str]:
-    """Files this process opened since ``before`` (a :func:`_fds` snapshot)
-    and holds, other than shared memory (which is meant to be shared)."""
-    out = []
-    for fd in sorted(_fds() - before, key=int):
+def _fds() -> Dict[str, str]:
+    """This process's open fds and what they are (the listing's own left out)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the listing's own fd, closed since
             continue
-        if not target.startswith(("/dev/shm/", "/memfd:", "/proc/")):
-            out.append(target)
     return out
+
+
+def _opened_since(before: Dict[str, str]) -> List[str]:
+    """Files this process opened since ``before`` (a :func:`_fds` snapshot)
+    and holds, other than shared memory (which is meant to be shared)."""
+    return [target for fd, target in sorted(_fds().items(), key=lambda kv: int(kv[0]))
+            if before.get(fd) != target
+            and not target.startswith(("/dev/shm/", "/memfd:", "/proc/"))]
 
 
 def _tainted_by(threads_before: int) -> str:
@@ -569,10 +576,11 @@ def _tainted_by(threads_before: int) -> str:
     return ""
 
 
-def _preload(head: Dict[str, Any], fds: List[int]) -> Tuple[int, str]:
+def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) -> Tuple[int, str]:
     """In the zygote: drop the session held, unpickle the one sent (``fds``:
     its blob's memfd, then the fds it refers to; all ours to close) and hold
-    it, frozen, if workers may share it (see Zygote.preload)."""
+    it, frozen, if workers may share it (see Zygote.preload). ``starting``
+    is called as unpickling starts (the caller's time limit starts then)."""
     global _preloaded
     _preloaded = None
     gc.unfreeze()  # what the last session left frozen can be collected now
@@ -592,6 +600,7 @@ def _preload(head: Dict[str, Any], fds: List[int]) -> Tuple[int, str]:
         sys.argv[:] = head["sys_argv"]
         multiprocessing.current_process().authkey = head["authkey"]
         threads, before = _threads(), _fds()
+        starting()
         session = crossing.unpack(data, shared)  # closes the fds nobody took
         del data
         why = _tainted_by(threads)
@@ -649,7 +658,8 @@ def _serve(header: Dict[str, Any]) -> None:
                     return
                 if msg[:1] == _PRELOAD_REQ:
                     head = pickle.loads(msg[1:])
-                    outcome, why = _preload(head, fds)
+                    outcome, why = _preload(head, fds, lambda: ctl.send(
+                        _PRELOAD.pack(_UNPICKLING, head["token"], 0)))
                     ctl.send(_PRELOAD.pack(b"P", head["token"], outcome)
                              + why.encode(errors="replace")[:_WHY_MAX])
                     continue
