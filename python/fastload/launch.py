@@ -18,9 +18,10 @@ starts them itself, with two launchers:
   torch's pages and start in milliseconds; like spawned ones they inherit
   nothing from the training process. A zygote can also *preload* a session
   (:meth:`Zygote.preload`): it unpickles the session's ``(dataset,
-  collate_fn, ...)`` once and freezes it (``gc.freeze()``), and the workers
-  forked afterwards inherit it, sharing its pages copy-on-write as forked
-  DataLoader workers share the training process's.
+  collate_fn, ...)`` once, and the workers forked afterwards inherit it,
+  sharing its pages copy-on-write as forked DataLoader workers share the
+  training process's (the garbage collector, off in the zygote, freezes
+  what a worker inherits: ``gc.freeze()``).
 
 Both put the child in a session of its own (``setsid``): Ctrl-C at the
 terminal goes to the training process alone, which raises KeyboardInterrupt
@@ -434,7 +435,9 @@ class Zygote:
         fds = [-1, *parcel.fds]
         if len(fds) > _MAX_FDS:
             return DECLINED, f"the session holds {len(fds) - 1} fds; at most {_MAX_FDS - 1} can be passed"
-        me = __import__("multiprocessing").current_process()
+        import multiprocessing
+
+        me = multiprocessing.current_process()
         head = _PRELOAD_REQ + pickle.dumps({
             "token": token, "sys_path": list(sys.path), "sys_argv": list(sys.argv),
             "authkey": bytes(me.authkey)}, protocol=pickle.HIGHEST_PROTOCOL)
@@ -582,9 +585,9 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
     it, frozen, if workers may share it (see Zygote.preload). ``starting``
     is called as unpickling starts (the caller's time limit starts then)."""
     global _preloaded
-    _preloaded = None
-    gc.unfreeze()  # what the last session left frozen can be collected now
-    gc.collect()
+    _preloaded = None  # the last session's objects go, but for reference cycles:
+    gc.collect()  # the zygote's collector is off (see _serve); everything else is frozen
+    gc.freeze()  # what stays (modules the last session imported) stays for good
     shared = fds[1:]
     try:
         data = read_memfd(fds[0])
@@ -616,10 +619,6 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
         del session
     except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
         outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
-    gc.collect()
-    # Workers forked from here on share these pages: the collector must not
-    # write to them (its bookkeeping lives in each object's header).
-    gc.freeze()
     return outcome, why
 
 
@@ -632,8 +631,15 @@ def _serve(header: Dict[str, Any]) -> None:
             __import__(name)
         except ImportError:
             traceback.print_exc()
+    # Python's recipe for sharing pages with forked children: the collector
+    # off here (a collection writes to every object it scans, which would
+    # copy the pages a worker shares with us), objects frozen in the child
+    # before it turns the collector back on. Torch's are frozen once here;
+    # a preloaded session's stay unfrozen here, so that the next preload
+    # can collect what reference cycles it leaves without rescanning torch.
     gc.collect()
-    gc.freeze()  # torch's objects: shared by every worker, never collected
+    gc.freeze()
+    gc.disable()
     ctl = socket.socket(fileno=header["ctl"])
     children: Dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -671,6 +677,8 @@ def _serve(header: Dict[str, Any]) -> None:
                         for pfd in children:
                             os.close(pfd)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        gc.freeze()  # what it inherited, the session included
+                        gc.enable()
                         h = pickle.loads(msg)
                         h["note_fd"] = fds[0]
                         code = _run(h, fds[1:])
