@@ -373,3 +373,53 @@ class FailOnceOn(Dataset):
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)
         return torch.full((3,), float(i))
+
+
+# ---------------------------------------------------------------------------
+# datasets whose unpickling does something (in the zygote that preloads them)
+
+
+class UnpicklesWith(Dataset):
+    """``dataset[i] == tensor([i, u])``, ``u`` 1 when this process unpickled
+    the dataset itself, 0 when it inherited it (from a zygote that did).
+
+    Unpickling does ``how`` in the zygote, i.e. in a process whose parent is
+    the one that pickled it (``everywhere``: in workers too): ``"thread"``
+    starts a thread that lives on, ``"file"`` opens this file and keeps it,
+    ``"sleep"`` sleeps ``seconds``, ``"raise"`` raises ValueError, ``""``
+    nothing.
+    """
+
+    def __init__(self, n: int, how: str = "", everywhere: bool = False,
+                 seconds: float = 0.0) -> None:
+        self.n = n
+        self.how = how
+        self.everywhere = everywhere
+        self.seconds = seconds
+        self.owner = os.getpid()
+        self.unpickled_in = os.getpid()
+        self.kept: Any = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "kept": None}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.unpickled_in = os.getpid()
+        if not self.everywhere and os.getppid() != self.owner:
+            return
+        if self.how == "thread":
+            self.kept = threading.Thread(target=time.sleep, args=(3600,), daemon=True)
+            self.kept.start()
+        elif self.how == "file":
+            self.kept = open(__file__, "rb")
+        elif self.how == "sleep":
+            time.sleep(self.seconds)
+        elif self.how == "raise":
+            raise ValueError("this dataset refuses to be unpickled")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, int(self.unpickled_in == os.getpid())])

@@ -47,9 +47,10 @@ def _resource_tracker_running():
     resource_tracker.ensure_running()
 
 
-# fastload may keep a non-persistent loader's workers warm between epochs
-# (``reuse_workers``; they end with the loader). Where it has that option the
-# tests of an iterator's end run both ways; "fresh" is DataLoader's behaviour.
+# fastload may keep a non-persistent loader's pool warm between epochs
+# (``reuse_workers``: its ring and zygote, which the next epoch's workers are
+# forked from; they end with the loader). Where it has that option the tests
+# of an iterator's end run both ways; "fresh" is DataLoader's behaviour.
 REUSE_SUPPORTED = "reuse_workers" in inspect.signature(FastLoader.__init__).parameters
 POOL_MODES = [
     pytest.param(False, id="fresh-workers"),
@@ -78,10 +79,15 @@ def _after_iterator_end(loader, pids, reuse: bool) -> None:
         _assert_no_workers(pids)
         return
     assert all(fd.pid_alive(p) for p in pids), "reused workers died with their iterator"
+    ring = loader._idle_pool.ring
     it = iter(loader)
-    assert it._pool.pids == tuple(pids)  # the same processes ...
+    assert it._ring is ring  # the same warm pool ...
+    # ... whose new session has fresh workers forked from its zygote (the
+    # old ones are gone, as DataLoader's are at an epoch's end) ...
+    assert set(it._pool.pids).isdisjoint(pids)
+    _assert_no_workers(pids)
     assert [b.tolist() for b in it] == EXPECTED  # ... making a whole, correct epoch
-    del it
+    del it, ring
 
 
 def _del_loader_without_gc(loader_holder: list, pids) -> None:

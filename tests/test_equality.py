@@ -785,11 +785,12 @@ def test_loop_stopping_after_len_batches_keeps_the_pool_warm():
     # iterator while it makes the next: the pool goes back at the last batch.
     loader = FastLoader(torch.arange(8), batch_size=2, num_workers=2)
     want = [b.tolist() for b in DataLoader(torch.arange(8), batch_size=2)]
-    pids = None
+    ring = None
     for _ in range(3):
         it = iter(loader)
         assert [next(it).tolist() for _ in range(len(loader))] == want
         assert loader._idle_pool is not None
-        pids = pids or loader._idle_pool.pids
-        assert loader._idle_pool.pids == pids
+        ring = ring or loader._idle_pool.ring
+        assert loader._idle_pool.ring is ring  # the same warm pool (its workers fresh each epoch)
     assert list(it) == []
+    del ring

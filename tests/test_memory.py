@@ -1,16 +1,22 @@
-"""The ring's memory: a slot keeps its pages once written, so one outlier
-batch would pin its size for the rest of training; free slots give those
-pages back when the next epoch starts."""
+"""Memory: the ring's and the workers'.
+
+A slot keeps its pages once written, so one outlier batch would pin its size
+for the rest of training; free slots give those pages back when the next
+epoch starts. A dataset holding big Python containers costs each worker a
+share of one copy (forked from a zygote that unpickled it), not a copy each."""
 
 from __future__ import annotations
 
 import gc
 import os
+import statistics
 
+import psutil
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
+import mem_datasets
 from fastload import FastLoader
 
 OUTLIER = 5
@@ -65,3 +71,68 @@ def test_normal_batches_keep_their_slots() -> None:
     finally:
         del loader
         gc.collect()
+
+
+# ---------------------------------------------------------------------------
+# a dataset holding big Python containers: shared, as with fork, not copied
+
+
+def _memory(pids):
+    """(PSS, USS) in bytes of each process in ``pids``."""
+    out = []
+    for pid in pids:
+        m = psutil.Process(pid).memory_full_info()
+        out.append((m.pss, m.uss))
+    return out
+
+
+def _epoch_memory(loader, pids_of) -> list:
+    """Iterate one epoch; the workers' memory once the last batch is in
+    (every worker has made all its batches; DataLoader's are still up)."""
+    it = iter(loader)
+    n, got = len(loader), None
+    for k, batch in enumerate(it):
+        if k == 0:
+            pids = pids_of(it)
+        if k == n - 1:
+            got = _memory(pids)
+    del it
+    return got
+
+
+def _summary(mem) -> tuple:
+    return sum(p for p, _u in mem), statistics.median(u for _p, u in mem)
+
+
+MB = 1 << 20
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create .* worker processes in total")
+def test_workers_share_the_dataset_as_forked_dataloader_workers_do() -> None:
+    """Workers forked from a zygote that unpickled the dataset share its
+    pages, as DataLoader's forked workers share the training process's; a
+    spawned DataLoader worker pays a copy of torch and of the dataset."""
+    ds = mem_datasets.ManyPaths(1_500_000)
+    kw = dict(batch_size=50_000, num_workers=3, collate_fn=mem_datasets.to_tensor)
+    dl_pids = lambda it: [w.pid for w in it._workers]  # noqa: E731
+    fork = _summary(_epoch_memory(DataLoader(ds, multiprocessing_context="fork", **kw), dl_pids))
+    spawn = _summary(_epoch_memory(DataLoader(ds, multiprocessing_context="spawn", **kw), dl_pids))
+    loader = FastLoader(ds, **kw)
+    try:
+        fl_pids = lambda it: list(it._pool.pids)  # noqa: E731
+        first = _summary(_epoch_memory(loader, fl_pids))
+        second = _summary(_epoch_memory(loader, fl_pids))  # the warm pool, fresh workers
+        zygote = loader._idle_pool._zygote.pid
+        zygote_pss = _memory([zygote])[0][0]
+    finally:
+        del loader
+        gc.collect()
+    figures = (f"total PSS / median USS (MB): fork {fork[0] / MB:.0f} / {fork[1] / MB:.0f}, "
+               f"spawn {spawn[0] / MB:.0f} / {spawn[1] / MB:.0f}, fastload {first[0] / MB:.0f} / "
+               f"{first[1] / MB:.0f}, second epoch {second[0] / MB:.0f} / {second[1] / MB:.0f}, "
+               f"its zygote's PSS {zygote_pss / MB:.0f}")
+    print(figures)
+    for total, median_uss in (first, second):
+        assert total <= 1.1 * fork[0], figures
+        assert median_uss <= 1.5 * fork[1], figures
+        assert total <= 0.6 * spawn[0], figures

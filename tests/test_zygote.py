@@ -147,3 +147,83 @@ def test_every_start_method_stops_promptly_and_quietly(ctx, caplog):
         it._shutdown_workers()
     assert [r.getMessage() for r in caplog.records] == []
     assert [p.exitcode for p in procs] == [0] * NW
+
+
+# ---------------------------------------------------------------------------
+# sessions preloaded by the zygote: workers inherit the dataset
+
+
+def _inherited_flags(batches):
+    """Sample indices in order, and the set of 'unpickled it myself' flags."""
+    return [int(i) for b in batches for i in b[:, 0]], {int(u) for b in batches for u in b[:, 1]}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_inherit_the_session_the_zygote_preloaded(persistent):
+    loader = FastLoader(fd.UnpicklesWith(12), batch_size=2, num_workers=NW,
+                        persistent_workers=persistent)
+    pids = []
+    for _epoch in range(2):
+        it = iter(loader)
+        pool = it._pool
+        assert pool._preloaded is not None and pool._forked_with == [pool._preloaded] * NW
+        pids.append(set(pool.pids))
+        assert _inherited_flags(list(it)) == (list(range(12)), {0})  # none unpickled it
+        del it, pool
+    if persistent:  # one session: the same processes
+        assert pids[0] == pids[1]
+    else:  # a session per epoch: fresh workers each, forked from the warm pool's zygote
+        assert pids[0].isdisjoint(pids[1])
+        assert fd.wait_pids_gone(pids[0], timeout=5) == []
+
+
+def test_a_replacement_worker_inherits_the_session_too(tmp_path):
+    ds = fd.FailOnceOn(20, bad=7, marker=os.fspath(tmp_path / "failed"))
+    loader = FastLoader(ds, batch_size=2, num_workers=NW, max_worker_restarts=1)
+    it = iter(loader)
+    got = [b.clone() for b in it]
+    assert (tmp_path / "failed").exists()
+    pool = loader._idle_pool
+    assert pool._preloaded is not None and pool._forked_with == [pool._preloaded] * NW
+    want = list(DataLoader(ds, batch_size=2))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("how", ["thread", "file"])
+def test_a_dataset_that_opens_files_or_starts_threads_is_unpickled_by_each_worker(how, caplog):
+    # Shared by fork, a file's offset or a thread's locks would be a trap:
+    # each worker gets a copy of its own, as before, and the zygote that
+    # runs a thread is not forked from again.
+    loader = FastLoader(fd.UnpicklesWith(8, how), batch_size=2, num_workers=NW)
+    with caplog.at_level(logging.DEBUG, logger="fastload"):
+        for _epoch in range(2):
+            it = iter(loader)
+            pool = it._pool
+            assert pool._preloaded is None and not pool._preload_ok
+            assert _inherited_flags(list(it)) == (list(range(8)), {1})
+            del it
+    why = "started threads" if how == "thread" else "opened"
+    assert [r for r in caplog.records if why in r.getMessage()]
+    assert len(pool._zygotes) == (2 if how == "thread" else 1)
+    assert pool._zygotes[0].gone() == (how == "thread")
+    del pool
+
+
+def test_a_dataset_that_cannot_be_unpickled_fails_as_before():
+    loader = FastLoader(fd.UnpicklesWith(8, "raise", everywhere=True), batch_size=2,
+                        num_workers=NW)
+    with pytest.raises(ValueError, match="refuses to be unpickled") as info:
+        list(loader)
+    assert "while unpickling the dataset" in str(info.value)
+
+
+def test_a_zygote_stuck_unpickling_is_replaced(caplog):
+    # It gets hang_timeout; then workers forked from a new zygote unpickle
+    # the dataset themselves (stuck there too, the watchdog would name them).
+    loader = FastLoader(fd.UnpicklesWith(8, "sleep", seconds=60), batch_size=2,
+                        num_workers=NW, hang_timeout=1.0)
+    it = iter(loader)
+    stuck = it._pool._zygotes[0]
+    assert stuck.gone() and len(it._pool._zygotes) == 2
+    assert _inherited_flags(list(it)) == (list(range(8)), {1})
+    assert [r for r in caplog.records if "did not unpickle the session within" in r.getMessage()]

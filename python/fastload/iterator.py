@@ -137,7 +137,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
             self._ledger.drain(self._wait_one)  # what a previous iterator left in flight
             self._trim_slots(state)
             self._ledger.make_free(self._num_workers)
-            pool.start_session(self._blob, self._base_seed, resume=workers)
+            pool.start_session(self._blob, self._base_seed, resume=workers,
+                               preload_timeout=opts.hang_timeout)
         except BaseException:
             self._shutdown_workers()
             raise

@@ -16,7 +16,12 @@ starts them itself, with two launchers:
 * :class:`Zygote` — one such interpreter that imports torch once and then
   forks a worker per request (a fork server of fastload's own). Workers share
   torch's pages and start in milliseconds; like spawned ones they inherit
-  nothing from the training process.
+  nothing from the training process. A zygote can also *preload* a session
+  (:meth:`Zygote.preload`): it unpickles the session's ``(dataset,
+  collate_fn, ...)`` once, and the workers forked afterwards inherit it,
+  sharing its pages copy-on-write as forked DataLoader workers share the
+  training process's (the garbage collector, off in the zygote, freezes
+  what a worker inherits: ``gc.freeze()``).
 
 Both put the child in a session of its own (``setsid``): Ctrl-C at the
 terminal goes to the training process alone, which raises KeyboardInterrupt
@@ -35,7 +40,9 @@ it: ``pid``, ``exitcode`` (negative for a signal), ``is_alive()``,
 
 from __future__ import annotations
 
+import gc
 import logging
+import mmap
 import os
 import pickle
 import select
@@ -47,11 +54,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import crossing
 
-__all__ = ["Child", "Zygote", "spawn", "boot", "ZYGOTE_PRELOAD"]
+__all__ = ["Child", "Zygote", "spawn", "boot", "preloaded", "ZYGOTE_PRELOAD"]
 
 log = logging.getLogger("fastload")
 
@@ -64,6 +71,21 @@ _NOTE_MAX = 1 << 16
 _STARTED = struct.Struct("<ci")  # b"S", pid
 _EXITED = struct.Struct("<cii")  # b"X", pid, exit code (negative: signal)
 _MAX_FDS = 250  # SCM_RIGHTS carries at most 253 fds per message
+_PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
+_PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
+_UNPICKLING = b"p"  # _PRELOAD's shape: the zygote has begun unpickling session token
+_WHY_MAX = 1000
+
+# Outcomes of a preload (Zygote.preload).
+PRELOADED = 0  # the zygote holds the session: workers forked now inherit it
+DECLINED = 1  # it could not or should not hold it: workers unpickle their own
+TAINTED = 2  # as DECLINED, and unpickling left threads (or a GPU context) in
+#              the zygote: it is no longer safe to fork from
+LOST = 3  # the zygote died, or gave no answer in time (main side only)
+
+# In a zygote: the session it preloaded, (token, objects); inherited by the
+# workers it forks. None when it holds none.
+_preloaded: Optional[Tuple[int, Any]] = None
 
 
 def _header(target: str, note_fd: int, parcel: crossing.Parcel) -> bytes:
@@ -131,6 +153,16 @@ def _run(header: Dict[str, Any], fds: Sequence[int]) -> int:
                 f.flush()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def preloaded(token: int) -> Any:
+    """In a worker forked from a zygote: the session the zygote had
+    preloaded when it forked it, which must be the one numbered ``token``."""
+    if _preloaded is None or _preloaded[0] != token:
+        have = None if _preloaded is None else _preloaded[0]
+        raise RuntimeError(f"fastload: this worker was forked without the session it was told "
+                           f"to inherit (session {token}; the zygote held {have})")
+    return _preloaded[1]
 
 
 def boot(fd: int) -> None:
@@ -391,13 +423,60 @@ class Zygote:
             if msg[:1] == b"S":
                 return _STARTED.unpack(msg)[1]
 
+    def preload(self, parcel: crossing.Parcel, token: int,
+                timeout: Optional[float] = None) -> Tuple[int, str]:
+        """Have the zygote unpickle session ``parcel`` (as :func:`crossing.
+        unpack` in a worker would) and hold it as session ``token``, in place
+        of the one it held; the workers it forks from then on inherit it
+        (:func:`preloaded`). Returns the outcome (PRELOADED, DECLINED,
+        TAINTED, or LOST: the zygote died or did not answer within
+        ``timeout`` seconds) and, unless PRELOADED, why. Waits for the zygote
+        to be ready (Ctrl-C interrupts the wait)."""
+        fds = [-1, *parcel.fds]
+        if len(fds) > _MAX_FDS:
+            return DECLINED, f"the session holds {len(fds) - 1} fds; at most {_MAX_FDS - 1} can be passed"
+        import multiprocessing
+
+        me = multiprocessing.current_process()
+        head = _PRELOAD_REQ + pickle.dumps({
+            "token": token, "sys_path": list(sys.path), "sys_argv": list(sys.argv),
+            "authkey": bytes(me.authkey)}, protocol=pickle.HIGHEST_PROTOCOL)
+        fds[0] = memfd_of(parcel.data)
+        try:
+            with self._lock:
+                if not self.alive:
+                    return LOST, "the zygote is gone"
+                socket.send_fds(self._ctl, [head], fds)
+                os.close(fds[0])
+                fds[0] = -1
+                deadline = None  # the clock starts when it starts unpickling
+                while True:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    msg = self._recv(left)
+                    if msg is None:
+                        return LOST, "the zygote exited while unpickling the session"
+                    if msg == b"":
+                        return LOST, f"the zygote did not unpickle the session within {timeout} s"
+                    if msg[:1] not in (_PRELOAD_REQ, _UNPICKLING):
+                        continue  # an exit report
+                    kind, got, outcome = _PRELOAD.unpack_from(msg)
+                    if got != token:
+                        continue  # about an earlier request (interrupted)
+                    if kind == _PRELOAD_REQ:
+                        return outcome, msg[_PRELOAD.size:].decode(errors="replace")
+                    if timeout is not None:
+                        deadline = time.monotonic() + timeout
+        finally:
+            if fds[0] >= 0:
+                os.close(fds[0])
+
     def _recv(self, timeout: Optional[float]) -> Optional[bytes]:
         """One message (exit reports are filed on the way); None when the
         zygote is gone or nothing came within ``timeout``."""
         if timeout is not None and not select.select([self._ctl], [], [], timeout)[0]:
             return b""
         try:
-            msg = self._ctl.recv(64)
+            msg = self._ctl.recv(_PRELOAD.size + _WHY_MAX)
         except (ConnectionResetError, OSError):
             msg = b""
         if not msg:
@@ -438,6 +517,111 @@ class Zygote:
         self._popen.wait()
 
 
+def memfd_of(data: bytes) -> int:
+    """A new memfd holding ``data`` (close-on-exec)."""
+    fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, len(data))
+        if data:
+            with mmap.mmap(fd, len(data)) as mm:
+                mm[:] = data
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_memfd(fd: int) -> bytes:
+    """The bytes of memfd ``fd``, which is closed."""
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            return mm[:]
+    finally:
+        os.close(fd)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fds() -> Dict[str, str]:
+    """This process's open fds and what they are (the listing's own left out)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own fd, closed since
+            continue
+    return out
+
+
+def _opened_since(before: Dict[str, str]) -> List[str]:
+    """Files this process opened since ``before`` (a :func:`_fds` snapshot)
+    and holds, other than shared memory (which is meant to be shared)."""
+    return [target for fd, target in sorted(_fds().items(), key=lambda kv: int(kv[0]))
+            if before.get(fd) != target
+            and not target.startswith(("/dev/shm/", "/memfd:", "/proc/"))]
+
+
+def _tainted_by(threads_before: int) -> str:
+    """Why this zygote is no longer safe to fork from, or ``""``."""
+    if _threads() > threads_before:
+        return "unpickling the session started threads in the zygote"
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return "unpickling the session initialised CUDA in the zygote"
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
+
+
+def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) -> Tuple[int, str]:
+    """In the zygote: drop the session held, unpickle the one sent (``fds``:
+    its blob's memfd, then the fds it refers to; all ours to close) and hold
+    it, frozen, if workers may share it (see Zygote.preload). ``starting``
+    is called as unpickling starts (the caller's time limit starts then)."""
+    global _preloaded
+    _preloaded = None  # the last session's objects go, but for reference cycles:
+    gc.collect()  # the zygote's collector is off (see _serve); everything else is frozen
+    gc.freeze()  # what stays (modules the last session imported) stays for good
+    shared = fds[1:]
+    try:
+        data = read_memfd(fds[0])
+    except BaseException as e:  # noqa: BLE001
+        for fd in shared:
+            os.close(fd)
+        return DECLINED, f"reading the session failed: {e}"
+    outcome, why = DECLINED, ""
+    try:
+        import multiprocessing
+
+        sys.path[:] = head["sys_path"]
+        sys.argv[:] = head["sys_argv"]
+        multiprocessing.current_process().authkey = head["authkey"]
+        threads, before = _threads(), _fds()
+        starting()
+        session = crossing.unpack(data, shared)  # closes the fds nobody took
+        del data
+        why = _tainted_by(threads)
+        if why:
+            outcome = TAINTED
+        else:
+            opened = _opened_since(before)
+            if opened:
+                why = f"unpickling the session opened {', '.join(opened[:4])}"
+            else:
+                _preloaded = (head["token"], session)
+                outcome = PRELOADED
+        del session
+    except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
+        outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
+    return outcome, why
+
+
 def _serve(header: Dict[str, Any]) -> None:
     """The zygote's loop (in the zygote process)."""
     sys.path[:] = header["sys_path"]
@@ -447,6 +631,15 @@ def _serve(header: Dict[str, Any]) -> None:
             __import__(name)
         except ImportError:
             traceback.print_exc()
+    # Python's recipe for sharing pages with forked children: the collector
+    # off here (a collection writes to every object it scans, which would
+    # copy the pages a worker shares with us), objects frozen in the child
+    # before it turns the collector back on. Torch's are frozen once here;
+    # a preloaded session's stay unfrozen here, so that the next preload
+    # can collect what reference cycles it leaves without rescanning torch.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     ctl = socket.socket(fileno=header["ctl"])
     children: Dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -469,6 +662,13 @@ def _serve(header: Dict[str, Any]) -> None:
                         except ChildProcessError:
                             pass
                     return
+                if msg[:1] == _PRELOAD_REQ:
+                    head = pickle.loads(msg[1:])
+                    outcome, why = _preload(head, fds, lambda: ctl.send(
+                        _PRELOAD.pack(_UNPICKLING, head["token"], 0)))
+                    ctl.send(_PRELOAD.pack(b"P", head["token"], outcome)
+                             + why.encode(errors="replace")[:_WHY_MAX])
+                    continue
                 pid = os.fork()
                 if pid == 0:  # the worker
                     code = 1
@@ -477,6 +677,8 @@ def _serve(header: Dict[str, Any]) -> None:
                         for pfd in children:
                             os.close(pfd)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        gc.freeze()  # what it inherited, the session included
+                        gc.enable()
                         h = pickle.loads(msg)
                         h["note_fd"] = fds[0]
                         code = _run(h, fds[1:])

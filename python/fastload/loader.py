@@ -76,10 +76,12 @@ class FastLoader(DataLoader[T_co]):
             while still getting zero-copy batches; past that, batches are
             copied out of the ring so the workers never run dry (default 4).
         reuse_workers: with ``persistent_workers=False``, keep the worker
-            processes between epochs and start each epoch by re-sending the
-            dataset and reseeding them as fresh DataLoader workers would be
-            (default True; the processes end with the loader). False starts
-            new processes every epoch, as DataLoader does.
+            pool between epochs (its ring and zygote; default True; it ends
+            with the loader): each epoch's workers are forked from the warm
+            zygote in milliseconds (spawned workers, with an explicit
+            ``'spawn'``, are kept and sent the dataset again), seeded as
+            fresh DataLoader workers are. False builds everything anew every
+            epoch, as DataLoader does.
         hang_timeout: seconds a worker may hold one batch without progress
             before :class:`fastload.WorkerHangError` (with the worker's Python
             stack) ends the epoch; a warning is logged at half of it.

@@ -1,7 +1,11 @@
 """The worker pool: one ring and the processes that fill it.
 
-Owned by one loader iterator. Create starts the workers (spawn unless the
-loader names another start method); :meth:`WorkerPool.shutdown` stops them,
+Owned by one loader iterator, or kept warm by its loader between
+iterators. Workers are forked from the pool's zygote by default, afresh for
+each session (:meth:`WorkerPool.start_session`: the zygote unpickles the
+session once and its workers share it); spawned or forked workers (an
+explicit start method) are started with the pool and kept across sessions.
+:meth:`WorkerPool.shutdown` stops them,
 escalating from the ring's shutdown flag to SIGTERM to SIGKILL, and is also
 run by a finalizer, so a pool dropped without shutdown (``break``, an
 exception, ``del``) still leaves no process behind. The memory needs no
@@ -10,8 +14,8 @@ clean-up: a memfd disappears with the last process holding it.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import mmap
 import multiprocessing
 import os
 import signal
@@ -123,9 +127,17 @@ class WorkerPool:
     """Main side: a ring and ``num_workers`` processes feeding it.
 
     A pool outlives one iterator when the loader keeps it warm: the next
-    iterator starts a new *session* (the dataset re-sent, workers reseeded)
-    instead of spawning processes again. Its :class:`SlotLedger` says what
-    every slot out of the free list is doing, across iterators.
+    iterator starts a new *session* on it (the dataset re-sent, workers
+    reseeded) instead of building a new ring and starting interpreters
+    again. Its :class:`SlotLedger` says what every slot out of the free list
+    is doing, across iterators.
+
+    Workers forked from the zygote are started by each session, not by the
+    pool: the zygote first unpickles the session (:meth:`Zygote.preload`),
+    so the workers forked from it share those objects' pages copy-on-write
+    instead of unpickling a copy each; the last session's workers are
+    retired. Spawned and forked workers start with the pool and serve every
+    session (the objects are sent to each of them).
     """
 
     def __init__(
@@ -170,19 +182,28 @@ class WorkerPool:
             self._zygotes.append(zygote if zygote is not None else start_zygote(hide_accelerators))
         elif zygote is not None:
             zygote.stop()
+        # Preloading (zygote workers): the number of the session the current
+        # zygote holds (None: none), the zygote holding it, and, per worker,
+        # the session it was forked with. Sessions are numbered per pool.
+        self._session_numbers = itertools.count(1)
+        self._preloaded: Optional[int] = None
+        self._preload_zygote: Optional[Zygote] = None
+        self._forked_with: List[Optional[int]] = [None] * num_workers
+        self._preload_ok = True  # False once a session of this pool could not be preloaded
         self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
                                            self._overflow_fds, self._stack_fds, self._zygotes,
                                            os.getpid())
         self._ctx = ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
-        try:
-            for i in range(num_workers):
-                self._start_worker(i)
-        except BaseException:
-            self.shutdown()
-            raise
-        log.debug("fastload: started %d workers (%s), ring %d x %d bytes (%s)", num_workers,
+        if self._launcher != "zygote":  # zygote workers start with each session
+            try:
+                for i in range(num_workers):
+                    self._start_worker(i)
+            except BaseException:
+                self.shutdown()
+                raise
+        log.debug("fastload: pool of %d workers (%s), ring %d x %d bytes (%s)", num_workers,
                   self._launcher or self._ctx.get_start_method(), num_slots, self.ring.slot_bytes,
                   self.ring.backend)
 
@@ -216,7 +237,10 @@ class WorkerPool:
                 parcel = crossing.pack(spec, "worker spec")
                 try:
                     if self._launcher == "zygote":
-                        p = self._current_zygote().start(_WORKER_MAIN, parcel)
+                        zygote = self._current_zygote()
+                        p = zygote.start(_WORKER_MAIN, parcel)
+                        self._forked_with[i] = (self._preloaded if zygote is self._preload_zygote
+                                                else None)
                     else:
                         p = launch.spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
                 finally:
@@ -252,6 +276,13 @@ class WorkerPool:
         old.join(5.0)
         if isinstance(old, launch.Child):
             old.close()
+        self._collect_overflow(w)
+        self.ring.reset_worker(w)
+        self._start_worker(w)
+
+    def _collect_overflow(self, w: int) -> None:
+        """Keep the overflow fds worker ``w`` sent and nobody read yet (its
+        channel is about to be replaced)."""
         sock = self._socks[w]
         sock.setblocking(False)
         try:
@@ -265,8 +296,56 @@ class WorkerPool:
         except ConnectionResetError:
             # It died with our session message unread: nothing of its to keep.
             pass
-        self.ring.reset_worker(w)
-        self._start_worker(w)
+
+    def _retire_workers(self) -> List[multiprocessing.process.BaseProcess]:
+        """Retire every worker (a new session gets fresh ones); returns the
+        processes, which exit on their own at their next look at the ring."""
+        old = list(self.procs)
+        for w, p in enumerate(old):
+            if p.exitcode is None and self.ring.worker_pid(w) == 0:
+                # Not attached to the ring yet (a previous iterator was dropped
+                # at once): it would attach to the new queue. No code of ours
+                # runs in it yet.
+                p.kill()
+                p.join(5.0)
+            self._collect_overflow(w)
+            self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
+        return old
+
+    def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
+        """A new session of a zygote pool: retire the workers, have the
+        zygote preload ``parcel`` and fork fresh workers from it."""
+        old = self._retire_workers()
+        self._preloaded = self._preload_zygote = None
+        number = next(self._session_numbers)
+        if self._preload_ok:
+            zygote = self._current_zygote()
+            outcome, why = zygote.preload(parcel, number, timeout)
+            if outcome == launch.PRELOADED:
+                self._preloaded, self._preload_zygote = number, zygote
+            else:
+                # The dataset is the same next epoch: don't pay its unpickling
+                # in the zygote again. Each worker unpickles its own copy.
+                self._preload_ok = False
+                level = logging.DEBUG if outcome == launch.DECLINED else logging.WARNING
+                log.log(level, "fastload: workers unpickle the dataset themselves "
+                               "(not shared through the zygote): %s", why)
+                if outcome != launch.DECLINED:
+                    # Threads or a GPU context in it, or stuck: fork from a new one.
+                    zygote.stop()
+                    self._zygotes.append(start_zygote(self._hide))
+        # The retired workers are gone before new ones attach (one queue each).
+        deadline = time.monotonic() + 2.0
+        for p in old:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
+                p.kill()
+                p.join(5.0)
+            if isinstance(p, launch.Child):
+                p.close()
+        for i in range(self.num_workers):
+            self._start_worker(i)
 
     @property
     def pids(self) -> Tuple[int, ...]:
@@ -297,33 +376,46 @@ class WorkerPool:
 
     def start_session(self, parcel: Optional[crossing.Parcel], base_seed: int,
                       workers: Optional[List[int]] = None,
-                      resume: Optional[List[Optional[bytes]]] = None) -> List[Record]:
-        """Send every worker (or those in ``workers``) the pickled dataset
-        (with the fds of what it shares), its seeds and, to resume, the state
-        to put its generators back to (``resume[w]``); returns the session
-        records, which the ledger frees when they complete. ``parcel`` is
-        None for a pool whose workers inherited the session."""
+                      resume: Optional[List[Optional[bytes]]] = None,
+                      preload_timeout: Optional[float] = None) -> List[Record]:
+        """Start a session on every worker (or, for replacement workers, on
+        those in ``workers``): its seeds, its objects and, to resume, the
+        state to put its generators back to (``resume[w]``); returns the
+        session records, which the ledger frees when they complete.
+
+        The objects (``parcel``: the pickled dataset and the fds of what it
+        shares) reach a worker by inheritance where they can: a whole
+        session of a zygote pool forks fresh workers from a zygote that has
+        unpickled ``parcel`` (``preload_timeout``: how long it may take), as
+        does a replacement forked while it holds it; ``parcel`` is None for a
+        pool whose workers were forked from this process with the objects.
+        Other workers are sent ``parcel`` and unpickle it themselves."""
         targets = range(self.num_workers) if workers is None else workers
         states = resume if resume is not None else [None] * self.num_workers
         if parcel is None:
             assert self._inherited is not None
             return [self.ledger.assign(Role.SESSION, w, encode_session(base_seed, True, states[w]))
                     for w in targets]
-        fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
+        if workers is None and self._launcher == "zygote":
+            self._fresh_workers(parcel, preload_timeout)
+        fd = None
         try:
-            os.ftruncate(fd, len(parcel.data))
-            if parcel.data:
-                with mmap.mmap(fd, len(parcel.data)) as mm:
-                    mm[:] = parcel.data
             records = []
             for w in targets:
-                self.ledger.make_free(1)
-                send_session(self._socks[w], [fd, *parcel.fds])
-                records.append(self.ledger.assign(Role.SESSION, w,
-                                                  encode_session(base_seed, False, states[w])))
+                number = self._forked_with[w]
+                if number is not None and number == self._preloaded:
+                    task = encode_session(base_seed, resume=states[w], preloaded=number)
+                else:
+                    if fd is None:
+                        fd = launch.memfd_of(parcel.data)
+                    self.ledger.make_free(1)
+                    send_session(self._socks[w], [fd, *parcel.fds])
+                    task = encode_session(base_seed, False, states[w])
+                records.append(self.ledger.assign(Role.SESSION, w, task))
             return records
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def death_note(self, worker: int) -> str:
         """What worker ``worker`` wrote before dying at start-up, if anything."""

@@ -3,9 +3,11 @@ and the batch size it learned.
 
 Starting workers costs seconds (a new interpreter importing torch). A
 loader therefore keeps its pool after an epoch (``reuse_workers``) and the
-next iterator starts a new *session* on it (dataset re-sent, workers
-reseeded as DataLoader's fresh workers would be); the zygote a loader starts
-at construction waits here until the first pool takes it. Slots are sized
+next iterator starts a new *session* on it: fresh workers forked from the
+pool's warm zygote, which has unpickled the new session's dataset (spawned
+workers are kept and sent it), seeded as DataLoader's fresh workers would
+be. The zygote a loader starts at construction waits here until the first
+pool takes it. Slots are sized
 from the largest batch seen, so a second epoch gets slots that fit.
 """
 

@@ -7,12 +7,15 @@ Three channels connect them (see docs/design.md, "The ring"):
   tuple made only by :func:`encode_session` and :func:`encode_fetch` and read
   only by :func:`decode_task`:
 
-  - ``(OP_SESSION, base_seed, inherited, resume)``: start a session. Unless
-    ``inherited``, the pool has just sent the worker, over its socket, the
-    memfd of the pickled ``(dataset, collate_fn, worker_init_fn, dataset_kind,
-    auto_collation, drop_last)`` followed by the fds of what the dataset
-    shares (:func:`send_session` / the worker's ``recv_session``).
-    ``inherited``: the same objects came with the fork. The worker seeds
+  - ``(OP_SESSION, base_seed, inherited, resume, preloaded)``: start a
+    session. Unless ``inherited``, the pool has just sent the worker, over
+    its socket, the memfd of the pickled ``(dataset, collate_fn,
+    worker_init_fn, dataset_kind, auto_collation, drop_last)`` followed by
+    the fds of what the dataset shares (:func:`send_session` / the worker's
+    ``recv_session``). ``inherited``: the same objects came with the fork:
+    from the training process (the worker's spec holds them), or, when
+    ``preloaded`` is a session number, from the zygote that had unpickled
+    that session before forking the worker (``launch.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
     if ``resume`` (bytes from :mod:`fastload.resume`) is given, puts its
     random generators and dataset replica back where they were.
@@ -56,9 +59,10 @@ _MAX_FDS_PER_MSG = 250  # under SCM_RIGHTS' per-message limit (253)
 
 
 def encode_session(base_seed: int, inherited: bool = False,
-                   resume: Optional[bytes] = None) -> bytes:
+                   resume: Optional[bytes] = None, preloaded: Optional[int] = None) -> bytes:
     """The task that starts a session on a worker."""
-    return pickle.dumps((OP_SESSION, base_seed, inherited, resume), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((OP_SESSION, base_seed, inherited or preloaded is not None, resume,
+                         preloaded), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def encode_fetch(epoch: int, batch_idx: int, index: Any) -> bytes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import faulthandler
 import functools
-import mmap
 import os
 import pickle
 import random
@@ -102,16 +101,10 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
+    from .launch import read_memfd
+
     fds = recv_session_fds(sock)
-    blob_fd, shared = fds[0], fds[1:]
-    try:
-        size = os.fstat(blob_fd).st_size
-        if size == 0:
-            return b"", shared
-        with mmap.mmap(blob_fd, size, prot=mmap.PROT_READ) as mm:
-            return mm[:], shared
-    finally:
-        os.close(blob_fd)
+    return read_memfd(fds[0]), fds[1:]
 
 
 class _Session:
@@ -205,7 +198,7 @@ def worker_main(spec: WorkerSpec) -> None:
     from torch.utils.data import _DatasetKind
     from torch.utils.data._utils import collate, signal_handling
 
-    from . import _pickling, crossing
+    from . import _pickling, crossing, launch
     from ._core import WaitResult
     from .serialize import SlotWriter
 
@@ -266,7 +259,9 @@ def worker_main(spec: WorkerSpec) -> None:
             task = decode_task(mv[start : start + task_len])
             if task[0] == OP_SESSION:
                 session = None  # drop the old replica before unpickling the new one
-                if task[2]:  # inherited at fork
+                if task[4] is not None:  # preloaded by the zygote that forked us
+                    load = functools.partial(launch.preloaded, task[4])
+                elif task[2]:  # inherited at fork from the training process
                     load = lambda: spec.session  # noqa: E731
                 else:
                     blob, fds = recv_session(spec.sock)
