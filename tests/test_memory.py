@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastload import FastLoader
+from fastload.debug import debug_view
 
 OUTLIER = 5
 BIG = 48 << 20  # bytes of the outlier sample; the others are 64 KiB
@@ -36,10 +37,12 @@ def test_an_outlier_batch_s_pages_are_given_back_at_the_next_epoch(persistent: b
     try:
         seen = [b[0, 0].item() for b in loader]
         assert seen == [float(i) for i in range(12)]
-        ring = loader._iterator._ring if persistent else loader._idle_pool.ring
+        view = debug_view(loader)
+        ring = view.iterator.ring if persistent else view.idle_pool.ring
+        del view
         assert _allocated(ring) >= BIG  # the outlier's slot kept its pages
         it = iter(loader)  # the next epoch starts
-        assert it._ring is ring  # the same (warm or persistent) ring
+        assert debug_view(it).ring == ring  # the same (warm or persistent) ring
         assert _allocated(ring) < BIG // 4
         assert [b[0, 0].item() for b in it] == seen  # and the epoch is whole
         del it, ring
@@ -56,7 +59,7 @@ def test_normal_batches_keep_their_slots() -> None:
     try:
         for _ in loader:
             pass
-        ring = loader._iterator._ring
+        ring = debug_view(loader).iterator.ring
         before = _allocated(ring)
         for _ in loader:
             pass
