@@ -128,6 +128,7 @@ def test_inconsistent_shapes_stack_error_like_dataloader():
 # 2. unpicklable objects in a sample (a lock and a generator: test_errors)
 
 
+@pytest.mark.heavy
 def test_unpicklable_samples_of_other_kinds():
     """A lambda (pickle raises AttributeError), an object whose __reduce__
     raises ValueError, and one that pickles but cannot be rebuilt in the main
@@ -469,6 +470,7 @@ def test_chatty_workers(tmp_path):
 # 11. a worker that calls os._exit(0) (exit codes 3 and sys.exit(0): test_errors)
 
 
+@pytest.mark.heavy
 def test_worker_os_exit_0():
     ds = Misbehave(12, {4: "exit"}, code=0)
     loader = FastLoader(ds, batch_size=2, num_workers=NW)
@@ -534,6 +536,7 @@ _FORK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_forked_child_collecting_garbage_leaves_the_ring_alone(tmp_path):
     """A child forked from the training process (DataLoader's default workers,
     multiprocessing fork) inherits fastload's objects and may collect them.

@@ -106,6 +106,7 @@ def test_normal_epoch_end(reuse):
 
 
 @pytest.mark.parametrize("reuse", POOL_MODES)
+@pytest.mark.heavy
 def test_break_then_del_without_gc(reuse):
     loader = _plain_loader(reuse)
     it = iter(loader)
@@ -379,6 +380,7 @@ def _check_interrupted(s: _Script) -> str:
     return err
 
 
+@pytest.mark.heavy
 def test_keyboard_interrupt_in_subprocess(script):
     s = script()
     s.start_loader()
@@ -392,6 +394,7 @@ def test_keyboard_interrupt_in_subprocess(script):
     assert "did not stop" not in err, err
 
 
+@pytest.mark.heavy
 def test_keyboard_interrupt_while_workers_start(script):
     s = script()
     s.start_loader()
@@ -411,6 +414,7 @@ def test_keyboard_interrupt_while_workers_start(script):
     ids=["memfd-busy-workers", "posix_shm-worker-stuck-in-getitem",
          "forkserver-worker-stuck-in-getitem"],
 )
+@pytest.mark.heavy
 def test_main_process_sigkilled(script, segment, dataset, context):
     env = dict(os.environ)
     if segment == "posix_shm":  # the fallback that has a name in /dev/shm
@@ -463,6 +467,7 @@ def test_persistent_worker_killed_between_epochs():
 
 
 @pytest.mark.skipif(not REUSE_SUPPORTED, reason="this fastload has no reuse_workers option")
+@pytest.mark.heavy
 def test_reused_worker_killed_between_epochs():
     # Not persistent, but the loader keeps its workers warm: losing one while
     # idle may be reported (like persistent workers) or repaired with a new
@@ -522,6 +527,7 @@ def test_forkserver_start_method(forkserver_running, monkeypatch):
     _check_start_method("forkserver", monkeypatch)
 
 
+@pytest.mark.heavy
 def test_forkserver_epoch_longer_than_the_parent_check(forkserver_running):
     # A worker's parent is the forkserver, not this process: a worker that
     # took that for the death of its main process quit after about a second.

@@ -295,6 +295,7 @@ def test_persistent_workers_three_epochs():
     assert not torch.equal(got[0][0]["torch"], got[1][0]["torch"])
 
 
+@pytest.mark.heavy
 def test_persistent_workers_epochs_left_early():
     """``break`` out of epochs of a persistent loader, then run full epochs:
     the next epoch must wait out and free what the previous one left in
@@ -341,6 +342,7 @@ def test_persistent_workers_iterable_epochs():
 # ---------------------------------------------------------------------------
 # IterableDataset
 # ---------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_iterable_even_shards_exact_order():
     """Equal shards: round-robin over workers gives one possible order."""
     got = compare(
@@ -350,6 +352,7 @@ def test_iterable_even_shards_exact_order():
     assert [len(b["i"]) for b in got[0]] == [3, 3, 3, 3, 1, 1]
 
 
+@pytest.mark.heavy
 def test_iterable_uneven_shards_same_multiset():
     """Unequal shards: the same batches; each worker's own batches in order."""
 
@@ -401,6 +404,7 @@ def test_iterable_sharded_by_worker_init_fn():
     [(None, None), (1 << 20, None), (1 << 20, "mixed")],
     ids=["default-slot", "overflow", "overflow-mixed"],
 )
+@pytest.mark.heavy
 def test_large_samples(slot_bytes, collate):
     """~20 MB samples, 2 per batch: 40 MB batches fit fastload's default slot;
     with 1 MiB slots they go through the overflow segment; the mixed collate
@@ -421,6 +425,7 @@ def test_large_samples(slot_bytes, collate):
         assert b.shape == (2, 5_000_000) and b[1, 1].item() == 1.0 and b[1, 997].item() == -1.0
 
 
+@pytest.mark.heavy
 def test_empty_numpy_array_with_overflow():
     def check() -> None:
         compare(
@@ -495,6 +500,7 @@ def take_epochs_left_early(cls: type, ds: Any, extra: Dict[str, Any]) -> List[An
     return out
 
 
+@pytest.mark.heavy
 def test_epochs_left_early_then_full():
     """Every new iterator behaves like a fresh DataLoader one, whatever the
     previous iterator left in flight."""
@@ -520,6 +526,7 @@ def overflow_fds() -> Dict[int, str]:
     return out
 
 
+@pytest.mark.heavy
 def test_overflow_batches_left_early(tmp_path):
     """1 MiB slots: every batch goes through an overflow segment. Batch 1 is
     ready before batch 0 (sample 0 waits for it), so when the first iterator is
@@ -549,6 +556,7 @@ def test_overflow_batches_left_early(tmp_path):
     assert not leaked, f"overflow segments left open: {leaked}"
 
 
+@pytest.mark.heavy
 def test_two_iterators_alive_at_once():
     """Two iterators of one loader, consumed interleaved: independent, each
     seeded from the generator when it is made, as with DataLoader."""
@@ -591,6 +599,7 @@ def test_dataset_changed_between_epochs():
     assert sum(len(b["idx"]) for b in got[1]) == 6
 
 
+@pytest.mark.heavy
 def test_tensor_kept_by_dataset_in_worker():
     """A dataset that builds items with default_collate and caches them: the
     second visit of an index must return the same values as the first."""
@@ -694,6 +703,7 @@ class _Big(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("prefetch_factor", [1, 2, 3])
+@pytest.mark.heavy
 def test_batches_keep_to_fewest_slots(prefetch_factor: int) -> None:
     """A slot's pages stay committed once a batch was written there, so the
     ring's memory is the number of distinct slots batches used. A loop that

@@ -316,6 +316,7 @@ def _wait_workers_started(it, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.heavy
 def test_timeout():
     loader = FastLoader(Misbehave(8, {4: "sleep"}, seconds=5), batch_size=2, num_workers=NW,
                         timeout=1)

@@ -1019,12 +1019,14 @@ def default_chain(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[st
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.heavy
 def test_restart_mode(restart_chain: Dict[str, List[str]], kind: str) -> None:
     """max_worker_restarts=2: the faulty epoch is whole, as DataLoader's."""
     assert not restart_chain[kind], "\n\n".join(restart_chain[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.heavy
 def test_default_mode(default_chain: Dict[str, List[str]], kind: str) -> None:
     """max_worker_restarts=0: the right error, in time (slow: none)."""
     assert not default_chain[kind], "\n\n".join(default_chain[kind])
@@ -1038,6 +1040,7 @@ def test_chain_clean_epochs_and_no_leaks(request: pytest.FixtureRequest, mode: s
     assert not problems, "\n\n".join(problems)
 
 
+@pytest.mark.heavy
 def test_stop_of_an_idle_worker(tmp_path: Path) -> None:
     """The training loop is slower than the workers, so a worker waits for its
     next task when it is stopped; the tasks the loop then sends it are never
@@ -1058,6 +1061,7 @@ def test_stop_of_an_idle_worker(tmp_path: Path) -> None:
     run_scenario(sc, tmp_path / "ctl")
 
 
+@pytest.mark.heavy
 def test_kill_before_the_worker_took_its_session(tmp_path: Path) -> None:
     """Restart mode: a worker that dies before it read the session the pool
     sent it at iter() (the dataset's fd: here a reused pool's worker is

@@ -82,6 +82,7 @@ class TaggingLoader(DataLoader):
 
 
 # ---- a plain DataLoader ------------------------------------------------------
+@pytest.mark.heavy
 def test_plain_dataloader_runs_on_fastload_with_the_same_batches(caplog):
     want = list(make())
     fastload.install()
@@ -134,6 +135,7 @@ def test_num_workers_0_is_left_to_dataloader():
     assert STATE_ATTR not in loader.__dict__
 
 
+@pytest.mark.heavy
 def test_uninstall_restores_dataloader_s_iterator():
     loader = make()
     fastload.install()
@@ -188,6 +190,7 @@ def test_install_twice_is_one_install_with_the_latest_options():
     assert DataLoader.__dict__["_get_iterator"] is ORIGINAL_GET_ITERATOR
 
 
+@pytest.mark.heavy
 def test_install_options_reach_the_iterator():
     loader = make()
     fastload.install(hang_timeout=7.5, held_batches=2, slot_bytes=1 << 20, reuse_workers=False)
@@ -222,6 +225,7 @@ def test_unknown_option_is_a_type_error_naming_it():
     assert not fastload.installed()
 
 
+@pytest.mark.heavy
 def test_fastloader_keeps_its_own_options():
     fastload.install(hang_timeout=7.5)
     loader = make(cls=FastLoader, hang_timeout=5)
@@ -252,6 +256,7 @@ class _RepeatSampler:
             yield from iter(self.sampler)
 
 
+@pytest.mark.heavy
 def test_subclass_defined_after_install_that_calls_get_iterator_itself():
     fastload.install()
 

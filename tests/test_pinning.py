@@ -203,6 +203,7 @@ def run_async_loop(loader: FastLoader, runtime: FakeRuntime, lag: int) -> Tuple[
     return seen, errors
 
 
+@pytest.mark.heavy
 def test_pinned_batches_are_views_of_registered_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
@@ -223,6 +224,7 @@ def test_pinned_batches_are_views_of_registered_slots(monkeypatch: pytest.Monkey
     assert runtime.registered == {}, "the ring was not unregistered when the loader ended"
 
 
+@pytest.mark.heavy
 def test_slot_waits_for_copies_before_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
@@ -243,6 +245,7 @@ def test_control_lying_events_let_workers_overwrite(monkeypatch: pytest.MonkeyPa
     assert errors, "lying events should have let a worker overwrite a slot under a copy"
 
 
+@pytest.mark.heavy
 def test_registration_grows_with_the_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
@@ -260,6 +263,7 @@ def test_registration_grows_with_the_batches(monkeypatch: pytest.MonkeyPatch) ->
     assert runtime.registered == {}
 
 
+@pytest.mark.heavy
 def test_registration_failure_falls_back_to_copies(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     FakeAccelerator(monkeypatch)
@@ -276,6 +280,7 @@ def test_registration_failure_falls_back_to_copies(monkeypatch: pytest.MonkeyPat
     assert "copied into pinned memory" in warnings[0].getMessage()
 
 
+@pytest.mark.heavy
 def test_slots_registered_before_a_failure_stay_gated(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     FakeAccelerator(monkeypatch)
@@ -288,6 +293,7 @@ def test_slots_registered_before_a_failure_stay_gated(monkeypatch: pytest.Monkey
     assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.heavy
 def test_registration_outlives_the_loader_while_batches_live(
         monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
@@ -304,6 +310,7 @@ def test_registration_outlives_the_loader_while_batches_live(
     assert runtime.registered == {}
 
 
+@pytest.mark.heavy
 def test_pinned_warm_pool_and_persistent_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     ds = rows(40, 256)
@@ -362,6 +369,7 @@ def test_device_prefetch_runs_one_batch_ahead(num_workers: int) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.heavy
 def test_device_prefetch_errors_arrive_with_their_batch(num_workers: int) -> None:
     ds = Misbehave(40, {13: "raise"}, width=16, dtype=torch.float32)  # batch 3 of 10
     def run(loader: Any) -> List[Any]:
@@ -380,6 +388,7 @@ def test_device_prefetch_errors_arrive_with_their_batch(num_workers: int) -> Non
     assert got == expected and expected[3] == "ValueError" and len(expected) == 10
 
 
+@pytest.mark.heavy
 def test_device_prefetch_persistent_workers_and_break() -> None:
     ops = FakeOps()
     ds = rows(24, 4)

@@ -19,6 +19,7 @@ def _reference(ds, **kw):
 
 
 @pytest.mark.parametrize("how", ["kill", "sleep"], ids=["kill", "hang"])
+@pytest.mark.heavy
 def test_epoch_survives_a_dead_or_hung_worker(tmp_path, caplog, how: str) -> None:
     # The first worker to reach index 13 dies or hangs (sleeps a minute);
     # its replacement gets through.
@@ -42,6 +43,7 @@ def test_epoch_survives_a_dead_or_hung_worker(tmp_path, caplog, how: str) -> Non
     assert len(list(loader)) == 10
 
 
+@pytest.mark.heavy
 def test_restarts_are_limited(tmp_path) -> None:
     ds = Misbehave(16, {5: "kill"}, once=os.fspath(tmp_path / "failed"))
     loader = FastLoader(ds, batch_size=2, num_workers=2, max_worker_restarts=0)
@@ -49,6 +51,7 @@ def test_restarts_are_limited(tmp_path) -> None:
         list(loader)
 
 
+@pytest.mark.heavy
 def test_dataset_exceptions_are_not_retried() -> None:
     loader = FastLoader(Misbehave(8, {3: "raise"}), batch_size=2, num_workers=2,
                         max_worker_restarts=3)

@@ -15,6 +15,7 @@ from support.faults import Misbehave
 from support.processes import wait_pids_gone
 
 
+@pytest.mark.heavy
 def test_stuck_worker_raises_with_its_stack(caplog: pytest.LogCaptureFixture) -> None:
     loader = FastLoader(Misbehave(8, {5: "sleep"}, seconds=60), batch_size=2, num_workers=2,
                         hang_timeout=2.0, reuse_workers=False)
@@ -50,6 +51,7 @@ def test_slow_but_progressing_workers_are_not_hangs() -> None:
     assert [int(b) for b in loader] == list(range(8))
 
 
+@pytest.mark.heavy
 def test_none_turns_the_watchdog_off() -> None:
     loader = FastLoader(Misbehave(4, {1: "sleep"}, seconds=1.5), batch_size=1, num_workers=1,
                         hang_timeout=None)

@@ -24,6 +24,7 @@ def _rows(batches):
             for b in batches for j in range(len(b["index"]))]
 
 
+@pytest.mark.heavy
 def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     loader = FastLoader(EnvProbe(8), batch_size=2, num_workers=NW)
@@ -53,6 +54,7 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     assert wait_pids_gone([zygote_pid, *pids], timeout=10) == []
 
 
+@pytest.mark.heavy
 def test_explicit_spawn_is_real_spawn():
     loader = FastLoader(EnvProbe(4), batch_size=2, num_workers=NW,
                         multiprocessing_context="spawn")
@@ -72,6 +74,7 @@ def test_allow_gpu_in_workers_zygote_keeps_the_environment(monkeypatch):
     assert {r["CUDA_VISIBLE_DEVICES"] for r in _rows(list(it))} == {"0"}
 
 
+@pytest.mark.heavy
 def test_zygote_killed_is_an_error_not_a_hang():
     # The zygote is only needed to start workers: losing it mid-epoch does
     # not stop the epoch; a restart that needs it gets a clear error.
@@ -85,6 +88,7 @@ def test_zygote_killed_is_an_error_not_a_hang():
                                                     DataLoader(Plain(40), batch_size=2)]
 
 
+@pytest.mark.heavy
 def test_worker_dies_after_its_zygote():
     # With the zygote gone, a worker's exit status is lost but its death is
     # still seen (through its pidfd); a restart starts a new zygote.
@@ -138,6 +142,7 @@ def test_prestarted_zygote_is_the_first_pool_s():
 
 
 @pytest.mark.parametrize("ctx", [None, "spawn", "forkserver", "fork"])
+@pytest.mark.heavy
 def test_every_start_method_stops_promptly_and_quietly(ctx, caplog):
     # Workers see the ring's shutdown and exit on their own (code 0) well
     # within the grace period: none is terminated, nothing is logged.
