@@ -27,13 +27,15 @@ one private name used here, pinned by a test), collecting every fd the
 reducers hand over.
 
 Which process calls what: :func:`pack` in the main process, :func:`unpack`
-in the worker.
+in the worker. A session's bytes travel in a memfd: :func:`memfd_of` on the
+sending side, :func:`read_memfd` on the receiving one.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -50,7 +52,7 @@ from .errors import add_note
 
 log = logging.getLogger("fastload")
 
-__all__ = ["Parcel", "pack", "unpack", "ForkOnlyError"]
+__all__ = ["Parcel", "pack", "unpack", "memfd_of", "read_memfd", "ForkOnlyError"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -208,6 +210,32 @@ def unpack(data: Any, fds: Sequence[int]) -> Any:
             if fd >= 0:
                 os.close(fd)
 
+
+
+def memfd_of(data: bytes) -> int:
+    """A new memfd holding ``data`` (close-on-exec)."""
+    fd = os.memfd_create("fastload-dataset", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, len(data))
+        if data:
+            with mmap.mmap(fd, len(data)) as mm:
+                mm[:] = data
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_memfd(fd: int) -> bytes:
+    """The bytes of memfd ``fd``, which is closed."""
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            return mm[:]
+    finally:
+        os.close(fd)
 
 def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel], Any, Optional[tuple]]:
     """The session a loader's workers get: ``payload`` = (dataset,

@@ -15,7 +15,7 @@ Three channels connect them (see docs/design.md, "The ring"):
     ``recv_session``). ``inherited``: the same objects came with the fork:
     from the training process (the worker's spec holds them), or, when
     ``preloaded`` is a session number, from the zygote that had unpickled
-    that session before forking the worker (``launch.preloaded``). The worker seeds
+    that session before forking the worker (``zygote.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
     if ``resume`` (bytes from :mod:`fastload.resume`) is given, puts its
     random generators and dataset replica back where they were.

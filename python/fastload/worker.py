@@ -101,7 +101,7 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
-    from .launch import read_memfd
+    from .crossing import read_memfd
 
     fds = recv_session_fds(sock)
     return read_memfd(fds[0]), fds[1:]
@@ -198,7 +198,7 @@ def worker_main(spec: WorkerSpec) -> None:
     from torch.utils.data import _DatasetKind
     from torch.utils.data._utils import collate, signal_handling
 
-    from . import _pickling, crossing, launch
+    from . import _pickling, crossing, zygote
     from ._core import WaitResult
     from .serialize import SlotWriter
 
@@ -260,7 +260,7 @@ def worker_main(spec: WorkerSpec) -> None:
             if task[0] == OP_SESSION:
                 session = None  # drop the old replica before unpickling the new one
                 if task[4] is not None:  # preloaded by the zygote that forked us
-                    load = functools.partial(launch.preloaded, task[4])
+                    load = functools.partial(zygote.preloaded, task[4])
                 elif task[2]:  # inherited at fork from the training process
                     load = lambda: spec.session  # noqa: E731
                 else:

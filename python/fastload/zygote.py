@@ -1,0 +1,271 @@
+"""The zygote process: fastload's fork server, the side that forks.
+
+:class:`fastload.launch.Zygote` (in the main process) starts a fresh
+interpreter whose :func:`fastload.boot.boot` calls :func:`serve`. It imports
+torch (and what else it is told to preload), turns its garbage collector
+off, and then serves requests on its control socket until the main process
+closes it.
+
+The control socket is a ``SOCK_SEQPACKET`` pair; both sides of its protocol
+are defined here:
+
+* **Fork** (main → zygote): the worker's header (a pickle, so it starts
+  with ``b"\x80"``) with, by ``SCM_RIGHTS``, its death note's write end and
+  then its parcel's fds (at most :data:`MAX_FDS` in all). The zygote forks;
+  the child runs :func:`fastload.boot.run`; the zygote answers
+  :data:`STARTED` ``(b"S", pid)``.
+* **Preload** (main → zygote): :data:`PRELOAD_REQ` and a pickle of
+  ``{token, sys_path, sys_argv, authkey}``, with the session blob's memfd
+  and then the fds it refers to. The zygote answers :data:`UNPICKLING`
+  ``(b"p", token, 0)`` as it starts unpickling (the main side's time limit
+  starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
+  why, as text of at most :data:`WHY_MAX` bytes.
+* **Exit report** (zygote → main, at any time): :data:`EXITED` ``(b"X",
+  pid, exit code)`` when a worker it forked has exited and been reaped.
+* The main process closing the socket (it stopped the zygote, or died):
+  the zygote kills and reaps its workers and exits.
+
+A preloaded session is held in this module (:func:`preloaded` reads it in
+a forked worker) and shared copy-on-write with the workers forked after it;
+the gc recipe that keeps those pages shared is described in :func:`serve`.
+When unpickling the session opens files, the zygote declines to hold it;
+when it starts threads or a GPU context, the zygote is *tainted*: no longer
+safe to fork from, so the main side replaces it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+
+from . import crossing
+from .boot import run
+
+__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST"]
+
+# Messages on the control socket (see the module docstring).
+STARTED = struct.Struct("<ci")  # b"S", pid
+EXITED = struct.Struct("<cii")  # b"X", pid, exit code (negative: signal)
+MAX_FDS = 250  # SCM_RIGHTS carries at most 253 fds per message
+PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
+PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
+UNPICKLING = b"p"  # PRELOAD's shape: the zygote has begun unpickling session token
+WHY_MAX = 1000
+
+# Outcomes of a preload (fastload.launch.Zygote.preload).
+PRELOADED = 0  # the zygote holds the session: workers forked now inherit it
+DECLINED = 1  # it could not or should not hold it: workers unpickle their own
+TAINTED = 2  # as DECLINED, and unpickling left threads (or a GPU context) in
+#              the zygote: it is no longer safe to fork from
+LOST = 3  # the zygote died, or gave no answer in time (main side only)
+
+# In a zygote: the session it preloaded, (token, objects); inherited by the
+# workers it forks. None when it holds none.
+_preloaded: Optional[Tuple[int, Any]] = None
+
+
+def preloaded(token: int) -> Any:
+    """In a worker forked from a zygote: the session the zygote had
+    preloaded when it forked it, which must be the one numbered ``token``."""
+    if _preloaded is None or _preloaded[0] != token:
+        have = None if _preloaded is None else _preloaded[0]
+        raise RuntimeError(f"fastload: this worker was forked without the session it was told "
+                           f"to inherit (session {token}; the zygote held {have})")
+    return _preloaded[1]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fds() -> Dict[str, str]:
+    """This process's open fds and what they are (the listing's own left out)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own fd, closed since
+            continue
+    return out
+
+
+def _opened_since(before: Dict[str, str]) -> List[str]:
+    """Files this process opened since ``before`` (a :func:`_fds` snapshot)
+    and holds, other than shared memory (which is meant to be shared)."""
+    return [target for fd, target in sorted(_fds().items(), key=lambda kv: int(kv[0]))
+            if before.get(fd) != target
+            and not target.startswith(("/dev/shm/", "/memfd:", "/proc/"))]
+
+
+def _tainted_by(threads_before: int) -> str:
+    """Why this zygote is no longer safe to fork from, or ``""``."""
+    if _threads() > threads_before:
+        return "unpickling the session started threads in the zygote"
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return "unpickling the session initialised CUDA in the zygote"
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
+
+
+def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) -> Tuple[int, str]:
+    """In the zygote: drop the session held, unpickle the one sent (``fds``:
+    its blob's memfd, then the fds it refers to; all ours to close) and hold
+    it, frozen, if workers may share it (see fastload.launch.Zygote.preload).
+    ``starting`` is called as unpickling starts (the caller's time limit
+    starts then)."""
+    global _preloaded
+    _preloaded = None  # the last session's objects go, but for reference cycles:
+    gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
+    gc.freeze()  # what stays (modules the last session imported) stays for good
+    shared = fds[1:]
+    try:
+        data = crossing.read_memfd(fds[0])
+    except BaseException as e:  # noqa: BLE001
+        for fd in shared:
+            os.close(fd)
+        return DECLINED, f"reading the session failed: {e}"
+    outcome, why = DECLINED, ""
+    try:
+        import multiprocessing
+
+        sys.path[:] = head["sys_path"]
+        sys.argv[:] = head["sys_argv"]
+        multiprocessing.current_process().authkey = head["authkey"]
+        threads, before = _threads(), _fds()
+        starting()
+        session = crossing.unpack(data, shared)  # closes the fds nobody took
+        del data
+        why = _tainted_by(threads)
+        if why:
+            outcome = TAINTED
+        else:
+            opened = _opened_since(before)
+            if opened:
+                why = f"unpickling the session opened {', '.join(opened[:4])}"
+            else:
+                _preloaded = (head["token"], session)
+                outcome = PRELOADED
+        del session
+    except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
+        outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
+    return outcome, why
+
+
+def serve(header: Dict[str, Any]) -> None:
+    """The zygote's loop (in the zygote process): answer requests until the
+    main process closes the control socket."""
+    _prepare(header)
+    ctl = socket.socket(fileno=header["ctl"])
+    children: Dict[int, int] = {}  # pidfd -> pid
+    while True:
+        ready, _w, _x = select.select([ctl, *children], [], [])
+        for fd in ready:
+            if fd is not ctl:
+                _report_exit(ctl, children, fd)
+                continue
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 20, MAX_FDS + 3)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:  # the training process stopped us, or died
+                _end_children(children)
+                return
+            if msg[:1] == PRELOAD_REQ:
+                _answer_preload(ctl, msg, fds)
+            else:
+                _fork_worker(ctl, msg, fds, children)
+
+
+def _prepare(header: Dict[str, Any]) -> None:
+    """Import what workers share, then stop the collector from touching it."""
+    sys.path[:] = header["sys_path"]
+    os.close(header["note_fd"])
+    for name in header["preload"]:
+        try:
+            __import__(name)
+        except ImportError:
+            traceback.print_exc()
+    # Python's recipe for sharing pages with forked children: the collector
+    # off here (a collection writes to every object it scans, which would
+    # copy the pages a worker shares with us), objects frozen in the child
+    # before it turns the collector back on. Torch's are frozen once here;
+    # a preloaded session's stay unfrozen here, so that the next preload
+    # can collect what reference cycles it leaves without rescanning torch.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+
+def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
+    """Preload the session request ``msg`` sends and answer with the outcome."""
+    head = pickle.loads(msg[1:])
+    outcome, why = _preload(head, fds, lambda: ctl.send(
+        PRELOAD.pack(UNPICKLING, head["token"], 0)))
+    ctl.send(PRELOAD.pack(b"P", head["token"], outcome)
+             + why.encode(errors="replace")[:WHY_MAX])
+
+
+def _fork_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> None:
+    """Fork the worker request ``msg`` asks for (``fds``: its death note's
+    write end, then its parcel's fds) and tell the main process its pid."""
+    pid = os.fork()
+    if pid == 0:
+        _be_worker(ctl, msg, fds, children)
+    for f in fds:
+        os.close(f)
+    children[os.pidfd_open(pid)] = pid
+    ctl.send(STARTED.pack(b"S", pid))
+
+
+def _be_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
+    """In the forked worker: drop the zygote's fds, freeze what it inherited
+    (the preloaded session included), run the entry point; never returns."""
+    code = 1
+    try:
+        ctl.close()
+        for pfd in children:
+            os.close(pfd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        gc.freeze()  # what it inherited, the session included
+        gc.enable()
+        h = pickle.loads(msg)
+        h["note_fd"] = fds[0]
+        code = run(h, fds[1:])
+    finally:
+        os._exit(code)
+
+
+def _report_exit(ctl: socket.socket, children: Dict[int, int], pidfd: int) -> None:
+    """Reap the worker whose pidfd turned readable and report its exit code."""
+    pid = children.pop(pidfd)
+    os.close(pidfd)
+    _pid, status = os.waitpid(pid, 0)
+    try:
+        ctl.send(EXITED.pack(b"X", pid, os.waitstatus_to_exitcode(status)))
+    except OSError:
+        pass
+
+
+def _end_children(children: Dict[int, int]) -> None:
+    """Kill and reap every worker still running (the main process is gone or stopping us)."""
+    for pid in children.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in children.values():
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
