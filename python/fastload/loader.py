@@ -22,7 +22,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, 
                               SequentialSampler, _DatasetKind)
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from . import resume
+from . import capture, resume, resume_format
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
 from .pinning import DeviceRuntime
@@ -190,7 +190,7 @@ class FastLoader(DataLoader[T_co]):
         ``torch.save`` and ``torch.load(weights_only=True)``. See the README,
         "Resuming mid-epoch", for what is and is not exact.
         """
-        facts = resume.loader_facts(self)
+        facts = resume_format.loader_facts(self)
         ref = self._fastload_state.live_iterator
         it = ref() if ref is not None else None
         if it is None:
@@ -208,9 +208,9 @@ class FastLoader(DataLoader[T_co]):
         for a map-style dataset: its position and sampler order (for a
         shuffled order, give this loader a ``generator``); see the README.
         """
-        if resume.is_stateful_dataloader_state(state_dict):
-            state_dict = resume.from_stateful_dataloader(state_dict, self)
-        resume.check_compatible(state_dict, resume.loader_facts(self))
+        if resume_format.is_stateful_dataloader_state(state_dict):
+            state_dict = resume_format.from_stateful_dataloader(state_dict, self)
+        resume_format.check_compatible(state_dict, resume_format.loader_facts(self))
         self._fastload_state.resume = state_dict
         if self._iterator is not None:  # a persistent iterator starts anew from the state
             self._iterator = None
@@ -311,7 +311,7 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: DataLoader, state: LoaderState, ops: Optional[StreamOps]) -> None:
         self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
         saved = state.take_resume()
-        stateful = loader._dataset_kind == _DatasetKind.Iterable and resume.is_stateful(loader.dataset)
+        stateful = loader._dataset_kind == _DatasetKind.Iterable and capture.is_stateful(loader.dataset)
         if saved is None:
             self._start = resume.epoch_start(loader, None, True)
         else:

@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .capture import split_trailer
 from .errors import add_note, as_list, short_list
 from .ledger import Record, SlotLedger
-from .resume import split_trailer
 from .serialize import DTYPES, META_WITH_TABLES
 from .wire import FLAG_OVERFLOW, KIND_ERROR
 

@@ -87,7 +87,7 @@ class LoaderState:
         self.idle_pool: Optional[WorkerPool] = None
         self.spare_zygotes: List[Zygote] = []
         self.warned_fork = False  # said that its workers fork from this process
-        self.resume: Any = None  # a fastload.resume.LoaderResume to start the next iterator from
+        self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
 
     def __reduce__(self) -> Tuple[Any, Tuple[LoaderOptions]]:

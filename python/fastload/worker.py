@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import resume
+from .capture import Capturer, CountingIter
+from .capture import apply as apply_resume
+from .capture import trailer as resume_trailer
 from ._ring import FdHandle, RingHandle
 from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED,
                    OP_SESSION, STACK_SIGNAL, decode_task, recv_session_fds, send_overflow)
@@ -118,7 +120,7 @@ class _Session:
         from torch.utils.data._utils import worker as torch_worker
 
         self.worker_id = worker_id
-        self.capturer = resume.Capturer()
+        self.capturer = Capturer()
         self.where = f"in DataLoader worker process {worker_id}"
         self.init_exception: Optional[Any] = None
         self.fetcher: Any = None
@@ -151,7 +153,7 @@ class _Session:
                 if init_fn is not None:
                     init_fn(worker_id)
                 self.fetcher = self.make_fetcher()
-                resume.apply(self, resume_from)
+                apply_resume(self, resume_from)
             except Exception:
                 self.init_exception = ExceptionWrapper(where=self.where)
 
@@ -164,15 +166,15 @@ class _Session:
         if self.dataset_kind == _DatasetKind.Iterable:
             # Counts the samples the replica gave: a resumed replica without
             # state_dict() is fast-forwarded by that many.
-            fetcher.dataset_iter = resume.CountingIter(fetcher.dataset_iter)
+            fetcher.dataset_iter = CountingIter(fetcher.dataset_iter)
         return fetcher
 
     def capture(self) -> bytes:
-        """The resume trailer of the batch just made (see fastload.resume)."""
+        """The resume trailer of the batch just made (see fastload.capture)."""
         it = getattr(self.fetcher, "dataset_iter", None)
-        if isinstance(it, resume.CountingIter):
-            return resume.trailer(self.capturer.capture(it.count, self.dataset))
-        return resume.trailer(self.capturer.capture(0))
+        if isinstance(it, CountingIter):
+            return resume_trailer(self.capturer.capture(it.count, self.dataset))
+        return resume_trailer(self.capturer.capture(0))
 
     def new_epoch(self, epoch: int) -> None:
         if self.epoch is not None and self.init_exception is None:
