@@ -1,34 +1,10 @@
-"""Batch wire format: how a batch lives in a slot (or an overflow segment).
+"""Worker side of the batch wire format: a batch written into its slot.
 
-A worker writes a batch into the payload of its slot as::
-
-    [arena: tensor data and out-of-band buffers, each 64-byte aligned][meta]
-
-``meta`` is a pickle (protocol 5) of the batch in which every CPU tensor is
-replaced by a *persistent id* — ``(buffer, offset, dtype, shape, stride,
-extent, requires_grad, k)``, dtype as a small int where it can be, k the
-tensor's number in the batch — naming bytes in the arena, and every
-out-of-band pickle buffer (numpy arrays and the like) is listed as
-``(buffer, offset, length)``. A tensor whose place is only known once the
-whole batch has been seen (a small view of a big storage, see
-:meth:`SlotWriter._describe`) has the persistent id ``(j,)``, ``j`` indexing a
-table of such descriptions sent with the meta. A nested tensor has
-``(None, values, sizes, strides, offsets, k)``, its four parts being plain
-tensors with persistent ids of their own.
-``buffer`` 0 is the slot, 1 the overflow segment used when a batch does not
-fit its slot. Tensors that the default collate stacked straight into the
-slot are described where they already lie: no copy. Anything else is copied
-once into the arena. Tensors that share memory in the worker share it in the
-main process (DataLoader's workers move whole storages to shared memory, so
-its batches keep all aliasing).
-
-The main process rebuilds the batch with tensors and arrays that *view* the
-slot: :func:`read_batch` takes the byte buffers and never copies them.
-
-Which process calls what: :class:`SlotWriter` (here) lives in workers; its
-reading side, :func:`fastload.reader.read_batch` and
-:class:`fastload.reader.SlotReader`, in the main process. Neither knows
-about the ring's states: ``worker.py`` and the ledger do.
+:class:`SlotWriter` writes a batch in the format :mod:`fastload.batch_format`
+describes: the default collate stacks tensors straight into the slot
+(:meth:`SlotWriter.alloc_tensor`), and pickling the batch describes them where
+they lie and copies anything else into the slot's arena, or into an overflow
+memfd when the slot is full. Its reading side is :mod:`fastload.reader`.
 """
 
 from __future__ import annotations
@@ -41,10 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-ALIGN = 64
+from .batch_format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
-META_NO_TABLES = b"\x00"  # meta is the batch's pickle alone
-META_WITH_TABLES = b"\x01"  # meta pickles (buffers, deferred tensor descriptions, batch pickle)
+__all__ = ["SlotWriter"]
+
 
 # A storage this much bigger than what the batch views of it is not copied
 # whole: only the viewed bytes are.
@@ -58,36 +34,6 @@ _NON_LEAF_MESSAGE = (
     "If you just want to transfer the data, call detach() on the tensor "
     "before serializing (e.g., putting it on the queue)."
 )
-
-# Tensor dtypes travel as their index in this tuple (a pickled torch.dtype is
-# a global that the pickler checks and the unpickler looks up, on every
-# batch); a dtype not listed travels as itself. Workers and the main process
-# import the same torch, so both build the same tuple.
-_DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64",
-    "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
-    "float8_e4m3fn", "float8_e5m2",
-)
-DTYPES: Tuple[torch.dtype, ...] = tuple(
-    getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype))
-_DTYPE_CODE: Dict[torch.dtype, int] = {d: i for i, d in enumerate(DTYPES)}
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
-def _extent_bytes(t: torch.Tensor) -> int:
-    """Bytes from ``t.data_ptr()`` to the end of its last element."""
-    if t.numel() == 0:
-        return 0
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
-
-
-def _layout(t: torch.Tensor) -> Tuple[Any, Tuple[int, ...], Tuple[int, ...]]:
-    """(dtype or its code, shape, stride): how a persistent id describes a tensor."""
-    return (_DTYPE_CODE.get(t.dtype, t.dtype), tuple(t.shape), t.stride())
 
 
 def _plain_cpu_tensor(obj: Any) -> bool:
@@ -112,7 +58,7 @@ class _Arena:
         self.off = 0
 
     def alloc(self, nbytes: int) -> Optional[int]:
-        start = _align(self.off)
+        start = align(self.off)
         if start + nbytes > self.cap:
             return None
         self.off = start + nbytes
@@ -239,14 +185,14 @@ class SlotWriter:
     def _describe(self, t: torch.Tensor, k: int) -> tuple:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        extent = _extent_bytes(t)
+        extent = extent_bytes(t)
         if extent == 0:
-            return (0, 0) + _layout(t) + (0, t.requires_grad, k)
+            return (0, 0) + layout(t) + (0, t.requires_grad, k)
         assert self._arena is not None
         ptr = t.data_ptr() - self._base_ptr - self._slot_start
         if 0 <= ptr and ptr + extent <= self._arena.off:
             # Already in this slot (stacked there by the collate): describe it.
-            return (0, ptr) + _layout(t) + (extent, t.requires_grad, k)
+            return (0, ptr) + layout(t) + (extent, t.requires_grad, k)
         storage = t.untyped_storage()
         skey = (storage.data_ptr(), storage.nbytes())
         placed = self._storages.get(skey)
@@ -267,7 +213,7 @@ class SlotWriter:
             placed = self._storages[skey] = self._copy_bytes(storage, 0, storage.nbytes())
             self._keep.append(storage)  # its address must stay unique while pickling
         buf, off = placed
-        return (buf, off + t.storage_offset() * t.element_size()) + _layout(t) + (
+        return (buf, off + t.storage_offset() * t.element_size()) + layout(t) + (
             extent, t.requires_grad, k)
 
     def _place_deferred(self) -> List[tuple]:
@@ -307,13 +253,13 @@ class SlotWriter:
                         buf, off = self._copy_bytes(storage, lo, hi - lo)
                         for j in members:
                             t, k, extent = deferred[j]
-                            out[j] = (buf, off + t.data_ptr() - storage_ptr - lo) + _layout(t) + (
+                            out[j] = (buf, off + t.data_ptr() - storage_ptr - lo) + layout(t) + (
                                 extent, t.requires_grad, k)
                     continue
             buf, off = placed
             for j in js:
                 t, k, extent = deferred[j]
-                out[j] = (buf, off + t.storage_offset() * t.element_size()) + _layout(t) + (
+                out[j] = (buf, off + t.storage_offset() * t.element_size()) + layout(t) + (
                     extent, t.requires_grad, k)
         return out
 
@@ -322,9 +268,9 @@ class SlotWriter:
         its elements, compacted (contiguous strides where it was not)."""
         buf, off = self._copy_in(t)
         if t.is_contiguous():
-            return (buf, off) + _layout(t) + (extent, t.requires_grad, k)
+            return (buf, off) + layout(t) + (extent, t.requires_grad, k)
         stride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
-        return (buf, off) + _layout(t)[:2] + (stride, t.numel() * t.element_size(),
+        return (buf, off) + layout(t)[:2] + (stride, t.numel() * t.element_size(),
                                                t.requires_grad, k)
 
     def _copy_bytes(self, storage: Any, start: int, nbytes: int) -> Tuple[int, int]:
@@ -363,7 +309,7 @@ class SlotWriter:
         """Serialise ``obj``; returns (data_len, meta_offset, meta_len, overflow_fd, overflow_len).
 
         ``trailer`` is appended to the meta, and counted in meta_len (the
-        worker's resume capture, see :mod:`fastload.resume`). With an
+        worker's resume capture, see :mod:`fastload.capture`). With an
         overflow fd, data_len/meta_* describe the overflow segment for the
         meta (which then lies there) and the slot keeps its part.
         """

@@ -23,7 +23,7 @@ Three channels connect them (see docs/design.md, "The ring"):
     ``epoch`` within a session is DataLoader's ``_ResumeIteration``.
 
 * **Results**, committed by the worker with a *kind* and the batch's
-  layout in the slot (see :mod:`fastload.serialize`): ``KIND_DATA`` (a batch,
+  layout in the slot (see :mod:`fastload.batch_format`): ``KIND_DATA`` (a batch,
   ``FLAG_OVERFLOW`` set when part of it lies in an overflow segment whose fd
   follows on the socket, tagged with ``OVERFLOW_MSG``), ``KIND_ERROR`` (a
   pickled ``ExceptionWrapper``), ``KIND_EXHAUSTED`` (an IterableDataset
