@@ -184,7 +184,22 @@ class _Session:
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process. The steps run in this order: isolate
+    the process, join the ring, make the default collate stack into slots,
+    then take tasks until shutdown."""
+    main_watch = _isolate(spec)
+    ring = _join_ring(spec)
+    loop = _TaskLoop(spec, ring, main_watch)
+    _stack_into_slots(loop.writer)
+    try:
+        loop.run()
+    except KeyboardInterrupt:
+        pass
+
+
+def _isolate(spec: WorkerSpec) -> _MainWatch:
+    """First of all: hide the accelerators, ignore Ctrl-C, arm the stack
+    dump (``STACK_SIGNAL``), and watch the main process."""
     if spec.hide_accelerators:
         for var in ACCELERATOR_ENV:
             os.environ[var] = ""
@@ -194,30 +209,31 @@ def worker_main(spec: WorkerSpec) -> None:
     faulthandler.register(STACK_SIGNAL, file=spec.stack_file.fd, all_threads=True)
     main_watch = _MainWatch(spec.parent_pid)
     threading.Thread(target=main_watch.exit_when_gone, daemon=True).start()
+    return main_watch
 
+
+def _join_ring(spec: WorkerSpec) -> Any:
+    """DataLoader's worker signal handlers and one torch thread, as its
+    workers have; then the ring, told that this worker has started."""
     import torch
-    from torch._utils import ExceptionWrapper
-    from torch.utils.data import _DatasetKind
-    from torch.utils.data._utils import collate, signal_handling
-
-    from . import _pickling, crossing, zygote
-    from ._core import WaitResult
-    from .serialize import SlotWriter
+    from torch.utils.data._utils import signal_handling
 
     signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
     ring = spec.ring.get()
-    wid = spec.worker_id
-    ring.worker_started(wid, os.getpid())
-    payload = ring.payload_region()
-    mv = memoryview(payload).cast("B")
-    slot_bytes = ring.slot_bytes
-    writer = SlotWriter(payload, slot_bytes)
+    ring.worker_started(spec.worker_id, os.getpid())
+    return ring
 
-    # The default collate stacks into the slot being written instead of into
-    # torch's /dev/shm-backed shared storage (what DataLoader's workers do):
-    # that is both the zero-copy path and what keeps a 64 MB /dev/shm out of
-    # the picture. Same semantics and errors as torch's collate_tensor_fn.
+
+def _stack_into_slots(writer: Any) -> None:
+    """Make the default collate stack tensors into the slot ``writer`` is
+    writing, instead of into torch's /dev/shm-backed shared storage (what
+    DataLoader's workers do): that is both the zero-copy path and what keeps
+    a 64 MB /dev/shm out of the picture. Same semantics and errors as
+    torch's collate_tensor_fn."""
+    import torch
+    from torch.utils.data._utils import collate
+
     torch_collate_tensor = collate.collate_tensor_fn
 
     def collate_tensor_into_slot(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -233,26 +249,32 @@ def worker_main(spec: WorkerSpec) -> None:
 
     collate.default_collate_fn_map[torch.Tensor] = collate_tensor_into_slot
 
-    def commit_error(slot: int, wrapper: Any, trailer: bytes) -> None:
-        try:
-            meta = _pickling.dumps_by_value(wrapper, "error")
-        except Exception:
-            plain = RuntimeError(wrapper.msg)
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
-        if len(meta) + len(trailer) > slot_bytes:
-            short = RuntimeError(wrapper.msg[:4096])
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
-        meta += trailer
-        start = slot * slot_bytes
-        mv[start : start + len(meta)] = meta
-        ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
 
-    session: Optional[_Session] = None
-    try:
+class _TaskLoop:
+    """A worker's loop: take the next task its ring queue holds, do it in
+    the task's slot, commit the result (see :mod:`fastload.wire`)."""
+
+    def __init__(self, spec: WorkerSpec, ring: Any, main_watch: _MainWatch) -> None:
+        from .serialize import SlotWriter
+
+        self._spec = spec
+        self._ring = ring
+        self._main_watch = main_watch
+        payload = ring.payload_region()
+        self._mv = memoryview(payload).cast("B")
+        self._slot_bytes = ring.slot_bytes
+        self.writer = SlotWriter(payload, self._slot_bytes)
+        self._session: Optional[_Session] = None
+
+    def run(self) -> None:
+        """Until the ring shuts this worker down or the main process is gone."""
+        from ._core import WaitResult
+
+        ring, wid, slot_bytes, mv = self._ring, self._spec.worker_id, self._slot_bytes, self._mv
         while True:
             status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
             if status == WaitResult.TIMED_OUT:
-                if main_watch.gone():
+                if self._main_watch.gone():
                     break
                 continue
             if status == WaitResult.SHUTDOWN:
@@ -260,63 +282,117 @@ def worker_main(spec: WorkerSpec) -> None:
             start = slot * slot_bytes
             task = decode_task(mv[start : start + task_len])
             if task[0] == OP_SESSION:
-                session = None  # drop the old replica before unpickling the new one
-                if task[4] is not None:  # preloaded by the zygote that forked us
-                    load = functools.partial(zygote.preloaded, task[4])
-                elif task[2]:  # inherited at fork from the training process
-                    load = lambda: spec.session  # noqa: E731
-                else:
-                    blob, fds = recv_session(spec.sock)
-                    load = functools.partial(crossing.unpack, blob, fds)
-                session = _Session(load, task[1], wid, spec.num_workers, writer.collating, task[3])
+                self._session = None  # drop the old replica before unpickling the new one
+                self._session = self._new_session(task)
                 ring.commit(slot, KIND_DATA, 0, 0, 0)
                 continue
             _op, epoch, batch_idx, index = task
-            assert session is not None, "fastload: a fetch task before any session"
-            if epoch != session.epoch:
-                session.new_epoch(epoch)
-            if session.iteration_end:
-                ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
-                continue
-            if session.init_exception is not None:
-                commit_error(slot, session.init_exception, session.capture())
-                continue
-            where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
-            writer.begin(slot)
-            try:
-                data = session.fetcher.fetch(index)
-            except StopIteration:
-                writer.abort()
-                if session.dataset_kind == _DatasetKind.Iterable:
-                    session.iteration_end = True
-                    ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
-                else:
-                    commit_error(slot, ExceptionWrapper(where=where), session.capture())
-                continue
-            except Exception:
-                writer.abort()
-                commit_error(slot, ExceptionWrapper(where=where), session.capture())
-                continue
-            trailer = session.capture()
-            try:
-                data_len, meta_off, meta_len, ofd, _ = writer.finish(data, trailer)
-            except Exception:
-                del data
-                commit_error(slot, ExceptionWrapper(where=f"{where} while sending it to the main process"),
-                             trailer)
-                continue
+            assert self._session is not None, "fastload: a fetch task before any session"
+            self._fetch(self._session, slot, seq, epoch, batch_idx, index)
+
+    def _new_session(self, task: Tuple[Any, ...]) -> _Session:
+        """The session an OP_SESSION task starts, its objects taken from
+        where the task says."""
+        from . import crossing, zygote
+
+        spec = self._spec
+        if task[4] is not None:  # preloaded by the zygote that forked us
+            load = functools.partial(zygote.preloaded, task[4])
+        elif task[2]:  # inherited at fork from the training process
+            load = lambda: spec.session  # noqa: E731
+        else:
+            blob, fds = recv_session(spec.sock)
+            load = functools.partial(crossing.unpack, blob, fds)
+        return _Session(load, task[1], spec.worker_id, spec.num_workers, self.writer.collating,
+                        task[3])
+
+    def _fetch(self, session: _Session, slot: int, seq: int, epoch: int, batch_idx: int,
+               index: Any) -> None:
+        """An OP_FETCH task: the batch, or what stands in for it (the
+        replica's end, the session's set-up error)."""
+        if epoch != session.epoch:
+            session.new_epoch(epoch)
+        if session.iteration_end:
+            self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+            return
+        if session.init_exception is not None:
+            self._commit_error(slot, session.init_exception, session.capture())
+            return
+        self._make_batch(session, slot, seq, batch_idx, index)
+
+    def _make_batch(self, session: _Session, slot: int, seq: int, batch_idx: int,
+                    index: Any) -> None:
+        """Fetch and collate the batch into ``slot``, then commit it (or the
+        error that stopped it)."""
+        where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
+        writer = self.writer
+        writer.begin(slot)
+        try:
+            data = session.fetcher.fetch(index)
+        except StopIteration:
+            from torch._utils import ExceptionWrapper
+            from torch.utils.data import _DatasetKind
+
+            writer.abort()
+            if session.dataset_kind == _DatasetKind.Iterable:
+                session.iteration_end = True
+                self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+            else:
+                self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
+            return
+        except Exception:
+            from torch._utils import ExceptionWrapper
+
+            writer.abort()
+            self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
+            return
+        trailer = session.capture()
+        try:
+            data_len, meta_off, meta_len, ofd, _ = writer.finish(data, trailer)
+        except Exception:
+            from torch._utils import ExceptionWrapper
+
             del data
-            kind = KIND_DATA
-            if ofd is not None:
-                try:
-                    send_overflow(spec.sock, seq, ofd)
-                finally:
-                    os.close(ofd)
-                kind |= FLAG_OVERFLOW
-            # Every commit here may answer CommitResult.RECLAIMED: main gave
-            # up on this worker and took the slot back. The batch is simply
-            # dropped (it will be made again); next_task() then answers
-            # SHUTDOWN if main has replaced this worker, and the loop ends.
-            ring.commit(slot, kind, data_len, meta_off, meta_len)
-    except KeyboardInterrupt:
-        pass
+            self._commit_error(slot, ExceptionWrapper(
+                where=f"{where} while sending it to the main process"), trailer)
+            return
+        del data  # no reference to the batch is left once it is committed
+        self._commit_batch(slot, seq, data_len, meta_off, meta_len, ofd)
+
+    def _commit_batch(self, slot: int, seq: int, data_len: int, meta_off: int, meta_len: int,
+                      ofd: Optional[int]) -> None:
+        """Publish the batch written into ``slot``, its overflow segment
+        (``ofd``, if any) sent to the main process first."""
+        kind = KIND_DATA
+        if ofd is not None:
+            try:
+                send_overflow(self._spec.sock, seq, ofd)
+            finally:
+                os.close(ofd)
+            kind |= FLAG_OVERFLOW
+        # Every commit here may answer CommitResult.RECLAIMED: main gave
+        # up on this worker and took the slot back. The batch is simply
+        # dropped (it will be made again); next_task() then answers
+        # SHUTDOWN if main has replaced this worker, and the loop ends.
+        self._ring.commit(slot, kind, data_len, meta_off, meta_len)
+
+    def _commit_error(self, slot: int, wrapper: Any, trailer: bytes) -> None:
+        """Commit ``wrapper`` (an ExceptionWrapper) as the slot's result,
+        cut short where it would not fit."""
+        from torch._utils import ExceptionWrapper
+
+        from . import _pickling
+
+        try:
+            meta = _pickling.dumps_by_value(wrapper, "error")
+        except Exception:
+            plain = RuntimeError(wrapper.msg)
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
+        slot_bytes = self._slot_bytes
+        if len(meta) + len(trailer) > slot_bytes:
+            short = RuntimeError(wrapper.msg[:4096])
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
+        meta += trailer
+        start = slot * slot_bytes
+        self._mv[start : start + len(meta)] = meta
+        self._ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
