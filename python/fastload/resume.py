@@ -47,11 +47,13 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .capture import Capturer, CountingIter
+from .capture import Capturer, CountingIter, split_trailer, trailer
 
-# Capturer and CountingIter are the workers' side (fastload.capture), named here too.
-__all__ = ["Capturer", "CountingIter", "global_generators_kept", "epoch_start", "Replay",
-           "draw_base_seed", "draw_as_usual", "ResumeBook", "decode", "worker_resume"]
+# The workers' side (fastload.capture) is named here too, for callers that
+# measure or test a capture's round trip through fastload.resume.
+__all__ = ["Capturer", "CountingIter", "trailer", "split_trailer", "global_generators_kept",
+           "epoch_start", "Replay", "draw_base_seed", "draw_as_usual", "ResumeBook", "decode",
+           "worker_resume"]
 
 
 @contextlib.contextmanager
