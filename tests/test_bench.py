@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from fastload.bench import main
-from fastload.bench.cli import _check
+from fastload.bench.evaluate import check_run as _check
 from fastload.bench.checks import checksum, slice_sample
 from fastload.bench.measure import reference
 from fastload.bench.workloads import WORKLOADS
