@@ -117,8 +117,6 @@ def test_parallel_script_measures_one_and_two_processes():
 def _busy_loops_alive(pids: List[int]) -> List[int]:
     """Those of ``pids`` that are still a running bench neighbour (a reused
     pid running something else does not count)."""
-    import os
-
     alive = []
     for p in pids:
         try:
@@ -131,6 +129,7 @@ def _busy_loops_alive(pids: List[int]) -> List[int]:
     return alive
 
 
+@pytest.mark.heavy
 def test_bench_runs_under_load_and_leaves_no_neighbour(tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["--dataset", "test_bench:make_dataset", "--workers", "1", "--rounds", "1",
@@ -163,12 +162,13 @@ def test_neighbours_are_killed_and_exit_without_their_parent():
     import sys
     import time
 
-    import pytest
-
     from fastload.bench.runner import Neighbours
 
     with pytest.raises(RuntimeError):
         with Neighbours(2) as busy:
+            deadline = time.monotonic() + 30  # until both have exec'd their loop
+            while len(_busy_loops_alive(busy.pids)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert len(_busy_loops_alive(busy.pids)) == 2
             raise RuntimeError("the run failed")
     assert _busy_loops_alive(busy.pids) == []
