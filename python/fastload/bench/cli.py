@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import measure, report, resume_cost
+from . import copy_on_read, first_epoch, measure, report, resume_cost
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
@@ -24,6 +24,7 @@ QUICK_WORKLOADS = ("transport_u8", "tiny")
 # workloads again with num_workers = 2 x cores, and again with one
 # busy-looping process per core running beside each run.
 UNDER_LOAD = ("oversubscribed", "neighbour")
+EXTRAS = ("memory", "first-epoch")  # the tables after the main one (--extras)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,6 +68,11 @@ def parser() -> argparse.ArgumentParser:
                    help="runs under load beside the quiet ones, comma-separated: 'oversubscribed' "
                         "(num_workers = 2 x cores), 'neighbour' (one busy-looping process per core "
                         "during each run), or 'none' (default: both; none with --quick)")
+    p.add_argument("--extras", metavar="TABLES", default=None,
+                   help="tables after the main one, comma-separated: 'memory' (copy-on-read: the "
+                        "workers' memory on a dataset of 1.5M Python strings, 4 workers, against "
+                        "DataLoader fork and spawn), 'first-epoch' (a training-like script's first "
+                        "epoch), or 'none' (default: both; none with --quick or --dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
@@ -155,6 +161,11 @@ def _settings(argv: Optional[List[str]]) -> argparse.Namespace:
     if a.under_load is None:
         a.under_load = "none" if a.quick else ",".join(UNDER_LOAD)
     a.under_load = [] if a.under_load == "none" else a.under_load.split(",")
+    if a.extras is None:
+        a.extras = "none" if a.quick or a.dataset else ",".join(EXTRAS)
+    a.extras = [] if a.extras == "none" else a.extras.split(",")
+    if [n for n in a.extras if n not in EXTRAS]:
+        raise SystemExit(f"--extras: unknown {a.extras}; choose from {', '.join(EXTRAS)} or none")
     unknown = [n for n in a.under_load if n not in UNDER_LOAD]
     if unknown:
         raise SystemExit(f"--under-load: unknown run(s) {', '.join(unknown)}; known: "
@@ -194,7 +205,7 @@ class _Bench:
         self.side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
         per_limits = 1 + len(self.chosen) * (2 if self.side_by_side else 1)
         total = (len([w for w in self.chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
-                 + 2 * a.rounds * len(self.chosen) * len(self.states) + 2)
+                 + 2 * a.rounds * len(self.chosen) * len(self.states) + 2 + len(a.extras))
         self.prog = Progress(total, sys.stderr, enabled=a.json != "-")
 
     def step(self, label: str, fn: Any) -> Any:
@@ -277,6 +288,19 @@ class _Bench:
         return out
 
 
+def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
+    """The tables after the main one (``--extras``), each in interleaved rounds of its own."""
+    got: Dict[str, Any] = {}
+    if "memory" in a.extras:
+        got["copy_on_read"] = b.step("copy-on-read memory, 4 workers",
+                                     lambda: copy_on_read.measure_copy_on_read(rounds=a.rounds))
+    if "first-epoch" in a.extras:
+        got["first_epoch"] = b.step(
+            "first epoch after a model build",
+            lambda: first_epoch.measure_first_epoch(rounds=a.rounds, workers=a.workers))
+    return got
+
+
 def _combine(before: Dict[str, Any], after: Dict[str, Any], cores: int,
              consumer_us: Dict[str, float]) -> Dict[str, Any]:
     """Limits measured before and after the runs: the higher kept (load from
@@ -304,6 +328,7 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     runs = b.run_all()
     after = b.measure_limits("after") if not a.quick else before
     resume = b.step("resume: state_dict() and per-batch costs", resume_cost.measure_resume_cost)
+    extras = _extras(a, b)
     limits = _combine(before, after, b.machine["cpus_usable"], consumer_us)
     b.prog.start("reference checksums, in-process")
     t_ref = time.monotonic()
@@ -315,10 +340,15 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
                   for st in b.states if st != "quiet"}
     res = {"machine": b.machine, "args": vars(a), "command": "python -m fastload.bench " + " ".join(argv or []),
            "limits": limits, "workloads": rows["quiet"], "under_load": under_load,
-           "skipped": b.skipped, "resume": resume, "elapsed_s": time.monotonic() - t_start}
+           "skipped": b.skipped, "resume": resume, **extras,
+           "elapsed_s": time.monotonic() - t_start}
     report.print_report(res, out)
     tiny = rows["quiet"].get("tiny", {}).get("median", {}).get("fastload", {})
     out.write(resume_cost.report_lines(resume, tiny.get("main_cpu_ms_per_batch") or 0.0))
+    if "copy_on_read" in extras:
+        out.write(copy_on_read.report_lines(extras["copy_on_read"]))
+    if "first_epoch" in extras:
+        out.write(first_epoch.report_lines(extras["first_epoch"]))
     return res
 
 def main(argv: Optional[List[str]] = None) -> int:

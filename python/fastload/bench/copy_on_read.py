@@ -159,9 +159,12 @@ def report_lines(res: Dict[str, Any]) -> str:
              f"{'USS vs fork':>13}"]
     for name, m in res["median"].items():
         r = res["ratios"][name]
+        verdict = ""
+        if name.startswith("fastload"):
+            verdict = "  met" if r["pss_vs_fork"] <= 1.0 and r["uss_vs_fork"] <= 1.5 else "  missed"
         lines.append(f"{name:<20}{m['pss_mb']:>16.0f}{m['uss_mb']:>16.0f}{r['pss_vs_fork']:>12.2f}x"
-                     f"{r['uss_vs_fork']:>12.2f}x")
-    lines.append("target: fastload's total PSS <= fork's, its median USS <= 1.5x fork's")
+                     f"{r['uss_vs_fork']:>12.2f}x{verdict}")
+    lines.append("target: fastload's workers' total PSS <= fork's, their median USS <= 1.5x fork's")
     return "\n".join(lines) + "\n"
 
 
