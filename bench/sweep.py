@@ -65,7 +65,8 @@ def main(argv: List[str] | None = None) -> int:
             print(f"workers {w}, batch size {b} ...", file=sys.stderr, flush=True)
             res = run_benchmark(["--workloads", a.workloads, "--workers", w, "--batch-size", b,
                                  "--seconds", a.seconds, "--rounds", a.rounds,
-                                 "--start-method", a.start_method], out=io.StringIO())
+                                 "--start-method", a.start_method, "--under-load", "none"],
+                                out=io.StringIO())
             machine = res["machine"]
             for name, wr in res["workloads"].items():
                 points.append({"workload": name, "workers": int(w), "batch_size": int(b),

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from fastload.bench import main
-from fastload.bench.cli import _check
+from fastload.bench.evaluate import check_run as _check
 from fastload.bench.checks import checksum, slice_sample
 from fastload.bench.measure import reference
 from fastload.bench.workloads import WORKLOADS
@@ -112,3 +112,73 @@ def test_parallel_script_measures_one_and_two_processes():
     m = re.search(r"tiny: 1 process ([\d,]+) samples/s; 2 together ([\d,]+) samples/s", out.stdout)
     assert m, out.stdout
     assert all(int(g.replace(",", "")) > 0 for g in m.groups())
+
+
+def _busy_loops_alive(pids: List[int]) -> List[int]:
+    """Those of ``pids`` that are still a running bench neighbour (a reused
+    pid running something else does not count)."""
+    alive = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"getppid" in cmd:
+            alive.append(p)
+    return alive
+
+
+@pytest.mark.heavy
+def test_bench_runs_under_load_and_leaves_no_neighbour(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["--dataset", "test_bench:make_dataset", "--workers", "1", "--rounds", "1",
+               "--seconds", "0.3", "--warmup", "0.1", "--quick",
+               "--under-load", "oversubscribed,neighbour", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0
+    cores = res["machine"]["cpus_usable"]
+    loaded = res["under_load"]
+    assert set(loaded) == {"oversubscribed", "neighbour"}
+    assert (loaded["oversubscribed"]["workers"], loaded["oversubscribed"]["neighbours"]) == (2 * cores, 0)
+    assert (loaded["neighbour"]["workers"], loaded["neighbour"]["neighbours"]) == (1, cores)
+    pids: List[int] = []
+    for state, cfg in loaded.items():
+        wr = cfg["workloads"]["test_bench:make_dataset"]
+        assert wr["correct"] == {"fastload": "yes", "DataLoader": "yes"}, (state, wr["problems"])
+        assert wr["workers"] == cfg["workers"]
+        (t,) = wr["targets"]
+        assert t["what"] == "samples/s" and t["value"] > 0 and t["need"] == 1.0
+        for kind in ("fastload", "DataLoader"):
+            (run,) = wr["runs"][kind]
+            assert run["samples_per_s"] > 0 and run["workers_cpu_ms_per_batch"] >= 0
+            pids += run.get("neighbour_pids", [])
+    assert len(pids) == 2 * cores  # one per core, for each of the two neighbour runs
+    assert _busy_loops_alive(pids) == []
+
+
+def test_neighbours_are_killed_and_exit_without_their_parent():
+    import subprocess
+    import sys
+    import time
+
+    from fastload.bench.runner import Neighbours
+
+    with pytest.raises(RuntimeError):
+        with Neighbours(2) as busy:
+            deadline = time.monotonic() + 30  # until both have exec'd their loop
+            while len(_busy_loops_alive(busy.pids)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(_busy_loops_alive(busy.pids)) == 2
+            raise RuntimeError("the run failed")
+    assert _busy_loops_alive(busy.pids) == []
+    # A benchmark killed outright (no __exit__): its neighbours leave by themselves.
+    code = ("from fastload.bench.runner import Neighbours; import os, time\n"
+            "n = Neighbours(2).__enter__(); print(*n.pids, flush=True); time.sleep(0.5); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    orphans = [int(p) for p in out.stdout.split()]
+    assert len(orphans) == 2, out.stderr
+    deadline = time.monotonic() + 10
+    while _busy_loops_alive(orphans) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _busy_loops_alive(orphans) == []

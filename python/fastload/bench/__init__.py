@@ -10,12 +10,17 @@ main-process CPU time per batch, peak PSS of main + workers, and whether
 every index arrived exactly once, in order, with the content of an
 in-process reference. It also prints the machine and the limits measured in
 the same run: single-thread memcpy bandwidth and each workload's rate in one
-process. ``--dataset module:callable`` measures your own dataset.
+process. Each workload is run again under load (``--under-load``):
+``num_workers`` = 2 x the cores, and beside one busy-looping process per
+core. ``--dataset module:callable`` measures your own dataset.
 
 Modules: :mod:`.workloads` (datasets, cached data, ``--dataset``),
-:mod:`.measure` (runs in child processes, memory sampling, limits, references),
+:mod:`.runner` (runs in child processes, busy neighbours), :mod:`.memory`
+(memory of a process tree), :mod:`.limits` (memcpy, one-process and
+side-by-side rates), :mod:`.measure` (references, the machine),
 :mod:`.child` (the code of one run, in its process),
-:mod:`.checks` (the per-batch fingerprint),
+:mod:`.checks` (the per-batch fingerprint), :mod:`.evaluate` (medians,
+targets and correctness of a workload's runs),
 :mod:`.report` (targets, table, plot), :mod:`.cli` (options, order of runs).
 Nothing heavy is imported here: spawned workers import this package to
 unpickle the built-in datasets.

@@ -9,12 +9,14 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Sampler
 
 from .checks import batch_indices, checksum
+from .memory import MemSampler
 from .workloads import BIG, Workload, rebuild
 
 
@@ -97,8 +99,24 @@ def _child_prepare(spec: Dict[str, Any]) -> Tuple[Any, Any, Any, Workload]:
     return (FastLoader if spec["kind"] == "fastload" else DataLoader), ds, collate, w
 
 
+def descendants_cpu_s(root: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by every live
+    descendant of ``root``: the workers, and fastload's zygote."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in MemSampler(root).tree()[1:]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tck
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def _child_run(spec: Dict[str, Any], made: Tuple[Any, Any, Any, Workload],
                keep: Dict[str, Any]) -> Dict[str, Any]:
+    """Both epochs of one loader: epoch 1 short and whole, epoch 2 timed."""
     cls, ds, collate, w = made
     bs, workers = spec["batch_size"], spec["workers"]
     n_short = spec["short_batches"] * bs
@@ -110,6 +128,9 @@ def _child_run(spec: Dict[str, Any], made: Tuple[Any, Any, Any, Workload],
 
     res["t_start"] = time.time()
     t0 = time.perf_counter()
+    # num_workers above the core count (the oversubscribed run) is meant:
+    # both loaders warn at construction and at each iter()
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     loader = keep["loader"] = cls(
         ds, batch_size=bs, sampler=EpochSampler([n_short, BIG]), num_workers=workers,
         collate_fn=collate, multiprocessing_context=spec["start_method"],
@@ -129,7 +150,13 @@ def _child_run(spec: Dict[str, Any], made: Tuple[Any, Any, Any, Workload],
     batch = None
     del it
     res["epoch1"] = e1.report()
+    res.update(_epoch2(spec, loader, keep))
+    return res
 
+
+def _epoch2(spec: Dict[str, Any], loader: Any, keep: Dict[str, Any]) -> Dict[str, Any]:
+    """The warm first batch, the warm-up, then the steady state, measured."""
+    res: Dict[str, Any] = {}
     t0 = time.perf_counter()
     it = keep["it"] = iter(loader)
     res["base_seed_2"] = it._base_seed
@@ -140,14 +167,14 @@ def _child_run(spec: Dict[str, Any], made: Tuple[Any, Any, Any, Workload],
     del batch
     exhausted = False
     t_w = time.perf_counter()
-    while time.perf_counter() - t_w < spec["warmup"] or e2.batches < 2 * workers:
+    while time.perf_counter() - t_w < spec["warmup"] or e2.batches < 2 * spec["workers"]:
         batch = next(it, None)
         if batch is None:
             exhausted = True
             break
         e2.add(batch)
     b0, s0 = e2.batches, e2.pos
-    t_s, cpu_s = time.perf_counter(), time.process_time()
+    t_s, cpu_s, kids_s = time.perf_counter(), time.process_time(), descendants_cpu_s(os.getpid())
     while not exhausted and time.perf_counter() - t_s < spec["seconds"]:
         batch = next(it, None)
         if batch is None:
@@ -155,13 +182,15 @@ def _child_run(spec: Dict[str, Any], made: Tuple[Any, Any, Any, Workload],
             break
         e2.add(batch)
     elapsed, cpu = time.perf_counter() - t_s, time.process_time() - cpu_s
+    kids = descendants_cpu_s(os.getpid()) - kids_s
     batch = None
     res["t_end"] = time.time()
     nb, ns = e2.batches - b0, e2.pos - s0
     res["steady"] = {"seconds": elapsed, "batches": nb, "samples": ns, "cpu_s": cpu,
-                     "exhausted": exhausted}
+                     "workers_cpu_s": kids, "exhausted": exhausted}
     res["samples_per_s"] = ns / elapsed if nb else None
     res["batches_per_s"] = nb / elapsed if nb else None
     res["main_cpu_ms_per_batch"] = 1000 * cpu / nb if nb else None
+    res["workers_cpu_ms_per_batch"] = 1000 * kids / nb if nb else None
     res["epoch2"] = e2.report()
     return res

@@ -10,8 +10,9 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import measure, report, resume_cost
-from .workloads import BIG, WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
+from . import copy_on_read, first_epoch, measure, report, resume_cost
+from .evaluate import evaluate
+from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
 FULL = {"rounds": 3, "seconds": 3.0, "warmup": 1.0, "raw_seconds": 2.0, "short_batches": 4}
 QUICK = {"rounds": 1, "seconds": 0.75, "warmup": 0.25, "raw_seconds": 0.4, "short_batches": 2}
@@ -19,6 +20,11 @@ QUICK = {"rounds": 1, "seconds": 0.75, "warmup": 0.25, "raw_seconds": 0.4, "shor
 # itself (each run starts fresh processes that import torch: ~10 s a run on a
 # slow 2-core machine, so all five would take over two minutes).
 QUICK_WORKLOADS = ("transport_u8", "tiny")
+# The runs under load, beside the quiet ones (see bench/README.md): all
+# workloads again with num_workers = 2 x cores, and again with one
+# busy-looping process per core running beside each run.
+UNDER_LOAD = ("oversubscribed", "neighbour")
+EXTRAS = ("memory", "first-epoch")  # the tables after the main one (--extras)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,6 +64,15 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between constructing each loader and iter() in the cold run, as "
                         "a script builds its model in between; the cold 1st batch is then timed "
                         "from iter() (default 0: from construction)")
+    p.add_argument("--under-load", metavar="RUNS", default=None,
+                   help="runs under load beside the quiet ones, comma-separated: 'oversubscribed' "
+                        "(num_workers = 2 x cores), 'neighbour' (one busy-looping process per core "
+                        "during each run), or 'none' (default: both; none with --quick)")
+    p.add_argument("--extras", metavar="TABLES", default=None,
+                   help="tables after the main one, comma-separated: 'memory' (copy-on-read: the "
+                        "workers' memory on a dataset of 1.5M Python strings, 4 workers, against "
+                        "DataLoader fork and spawn), 'first-epoch' (a training-like script's first "
+                        "epoch), or 'none' (default: both; none with --quick or --dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
@@ -109,28 +124,6 @@ def _summary(r: Dict[str, Any]) -> str:
             f"{r['ttfb_warm_s']:.3f} s warm, {r.get('peak_mem_mb', 0):,.0f} MB")
 
 
-def _check(res: Dict[str, Any], n_short: int, seeds: List[int], ref1: List[int], ref2: List[int]) -> List[str]:
-    """What is wrong with one run's deliveries, if anything."""
-    if "error" in res:
-        return ["run failed: " + res["error"].strip().splitlines()[-1]]
-    probs = []
-    for k, (seed, ep) in enumerate(zip(seeds, ("epoch1", "epoch2")), 1):
-        e = res[ep]
-        if res[f"base_seed_{k}"] != seed:
-            probs.append(f"epoch {k}: base_seed {res[f'base_seed_{k}']} is not DataLoader's draw {seed}")
-        if e["order_error"]:
-            probs.append(f"epoch {k}: {e['order_error']}")
-        ref = ref1 if k == 1 else ref2
-        bad = next((b for b, (x, y) in enumerate(zip(e["checksums"], ref)) if x != y), None)
-        if bad is not None:
-            probs.append(f"epoch {k}: batch {bad} content differs from the in-process reference")
-        if len(e["checksums"]) > len(ref):
-            probs.append(f"epoch {k}: {len(e['checksums'])} batches, {len(ref)} expected")
-    if res["epoch1"]["samples"] != n_short:
-        probs.append(f"epoch 1: {res['epoch1']['samples']} of {n_short} samples delivered")
-    return probs
-
-
 def _select(a: argparse.Namespace, out: TextIO) -> tuple:
     if a.workloads:
         names = a.workloads.split(",")
@@ -159,137 +152,204 @@ def _select(a: argparse.Namespace, out: TextIO) -> tuple:
     return chosen, skipped
 
 
-def _evaluate(w: Workload, runs: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, cache: str,
-              bs: int, seeds: List[int], limits: Dict[str, Any]) -> Dict[str, Any]:
-    """One workload's medians, targets and correctness (against references
-    computed here, in-process, for as many batches as the longest run read)."""
-    n_short = a.short_batches * a.workers * bs
-    n_short = n_short if w.length is None else min(n_short, w.length)
-    ok_runs = [x for k in report.KINDS for x in runs[k] if "error" not in x]
-    need2 = max((len(x["epoch2"]["checksums"]) for x in ok_runs), default=0)
-    ref1 = measure.reference(w, cache, seeds[0], a.workers, bs, n_short, -(-n_short // bs))
-    ref2 = measure.reference(w, cache, seeds[1], a.workers, bs, BIG, need2)
-    med = {k: report.medians(runs[k]) for k in report.KINDS}
-    problems: Dict[str, List[str]] = {}
-    correct: Dict[str, str] = {}
-    for k in report.KINDS:
-        probs: List[str] = []
-        for x in runs[k]:
-            probs += [pr for pr in _check(x, n_short, seeds, ref1, ref2) if pr not in probs]
-            for ep in ("epoch1", "epoch2"):  # keep the JSON small: counts, not every checksum
-                if ep in x:
-                    x[ep]["checksums"] = len(x[ep]["checksums"])
-        problems[k] = probs
-        correct[k] = "ERR" if not med[k]["runs"] else "NO" if probs else "yes"
-    return {"desc": w.desc, "batch_size": bs, "epoch1_samples": n_short,
-            "checked_batches": {"epoch1": len(ref1), "epoch2": len(ref2)},
-            "runs": runs, "median": med, "problems": problems, "correct": correct,
-            "targets": report.targets(w, med["fastload"], med["DataLoader"], limits, a.workers, bs)}
+def _settings(argv: Optional[List[str]]) -> argparse.Namespace:
+    """The parsed options, with --quick's or the full run's defaults filled in."""
+    a = parser().parse_args(argv)
+    for k, v in (QUICK if a.quick else FULL).items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+    if a.under_load is None:
+        a.under_load = "none" if a.quick else ",".join(UNDER_LOAD)
+    a.under_load = [] if a.under_load == "none" else a.under_load.split(",")
+    if a.extras is None:
+        a.extras = "none" if a.quick or a.dataset else ",".join(EXTRAS)
+    a.extras = [] if a.extras == "none" else a.extras.split(",")
+    if [n for n in a.extras if n not in EXTRAS]:
+        raise SystemExit(f"--extras: unknown {a.extras}; choose from {', '.join(EXTRAS)} or none")
+    unknown = [n for n in a.under_load if n not in UNDER_LOAD]
+    if unknown:
+        raise SystemExit(f"--under-load: unknown run(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(UNDER_LOAD)} or none")
+    if a.workers < 1:
+        raise SystemExit("--workers must be >= 1: with 0 both loaders are the same code")
+    if a.rounds < 1 or a.seconds <= 0 or a.warmup < 0:
+        raise SystemExit("--rounds must be >= 1, --seconds > 0 and --warmup >= 0")
+    return a
+
+
+def load_runs(a: argparse.Namespace, cores: int) -> Dict[str, Dict[str, Any]]:
+    """The machine states measured: ``quiet`` (the main table) and each run
+    under load asked for, with its ``num_workers`` and busy neighbours."""
+    out: Dict[str, Dict[str, Any]] = {"quiet": {"workers": a.workers, "neighbours": 0}}
+    if "oversubscribed" in a.under_load:
+        out["oversubscribed"] = {"workers": 2 * cores, "neighbours": 0,
+                                 "what": f"{2 * cores} workers on {cores} cores (2x)"}
+    if "neighbour" in a.under_load:
+        out["neighbour"] = {"workers": a.workers, "neighbours": cores,
+                            "what": f"{a.workers} workers + {cores} busy processes"}
+    return out
+
+
+class _Bench:
+    """One benchmark: the chosen workloads, the machine states, the progress line."""
+
+    def __init__(self, a: argparse.Namespace, out: TextIO) -> None:
+        self.a, self.out = a, out
+        self.chosen, self.skipped = _select(a, out)
+        if not self.chosen:
+            raise SystemExit("nothing to run")
+        self.machine = measure.machine_info()
+        self.cache = cache_root()
+        self.states = load_runs(a, self.machine["cpus_usable"])
+        self.bs_of = {w.name: a.batch_size or w.batch_size for w in self.chosen}
+        self.side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
+        per_limits = 1 + len(self.chosen) * (2 if self.side_by_side else 1)
+        total = (len([w for w in self.chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
+                 + 2 * a.rounds * len(self.chosen) * len(self.states) + 2 + len(a.extras))
+        self.prog = Progress(total, sys.stderr, enabled=a.json != "-")
+
+    def step(self, label: str, fn: Any) -> Any:
+        """Run ``fn`` as one step of the progress line."""
+        self.prog.start(label)
+        r, dt = measure.timed(fn)
+        self.prog.done(f"{label}: {dt:.1f} s")
+        return r
+
+    def measure_limits(self, when: str) -> Dict[str, Any]:
+        """memcpy bandwidth, one-process and side-by-side rates of each workload."""
+        a = self.a
+        lim = {"memcpy_bytes_per_s": self.step(f"memcpy bandwidth ({when})", measure.memcpy_bandwidth),
+               "raw_samples_per_s": {}, "side_by_side_samples_per_s": {}}
+        for w in self.chosen:
+            bs = self.bs_of[w.name]
+            try:
+                lim["raw_samples_per_s"][w.name] = self.step(
+                    f"{w.name}: one-process rate ({when})",
+                    lambda w=w, bs=bs: measure.raw_rate(w, self.cache, bs, a.raw_seconds, a.seed))
+                if self.side_by_side:
+                    lim["side_by_side_samples_per_s"][w.name] = self.step(
+                        f"{w.name}: {a.workers} processes side by side ({when})",
+                        lambda w=w, bs=bs: measure.parallel_rate(w, self.cache, bs, a.raw_seconds,
+                                                                 a.workers, a.seed))
+            except Exception:
+                self.prog.close()
+                traceback.print_exc()
+                raise SystemExit(f"{w.name}: making a batch without a loader failed (traceback above)")
+        return lim
+
+    def run_all(self) -> Dict[str, Dict[str, Dict[str, List[Dict[str, Any]]]]]:
+        """Every run, interleaved: per round, each machine state and workload,
+        fastload then DataLoader (DataLoader first in odd rounds)."""
+        a = self.a
+        runs = {st: {w.name: {k: [] for k in report.KINDS} for w in self.chosen} for st in self.states}
+        fl_method = {None: a.start_method, "same": a.start_method, "default": None}.get(
+            a.fastload_start_method, a.fastload_start_method)
+        plan = [(r, st, w, kind) for r in range(a.rounds) for st in self.states for w in self.chosen
+                for kind in (report.KINDS if r % 2 == 0 else report.KINDS[::-1])]  # A B, then B A
+        specs = []
+        for r, st, w, kind in plan:
+            workers = self.states[st]["workers"]
+            specs.append({"workload": w.spec or {"name": w.name}, "kind": kind,
+                          "batch_size": self.bs_of[w.name], "workers": workers, "seed": a.seed,
+                          "short_batches": a.short_batches * workers, "warmup": a.warmup,
+                          "seconds": a.seconds, "gap": a.gap,
+                          "neighbours": self.states[st]["neighbours"],
+                          "start_method": fl_method if kind == "fastload" else a.start_method,
+                          "cache": self.cache, "sys_path": sys.path})
+
+        def label(i: int) -> str:
+            r, st, w, kind = plan[i]
+            return f"{w.name} {kind} round {r + 1}/{a.rounds}" + ("" if st == "quiet" else f" [{st}]")
+
+        def done(i: int, res: Dict[str, Any]) -> None:
+            res["round"] = plan[i][0]
+            runs[plan[i][1]][plan[i][2].name][plan[i][3]].append(res)
+            self.prog.done(f"{label(i)}: {_summary(res)}")
+
+        measure.run_children(specs, 180 + 4 * (a.seconds + a.warmup),
+                             lambda i: self.prog.start(label(i)), done)
+        return runs
+
+    def evaluate(self, runs: Dict[str, Dict[str, Dict[str, List[Dict[str, Any]]]]],
+                 limits: Dict[str, Any]) -> Dict[str, Any]:
+        """The quiet table's rows, and each run under load's."""
+        a = self.a
+        seeds = measure.base_seeds(a.seed, 2)
+        out: Dict[str, Any] = {}
+        for st, cfg in self.states.items():
+            rows = {}
+            for w in self.chosen:
+                quiet = out.get("quiet", {}).get(w.name, {}).get("targets", [{}])[0].get("value")
+                rows[w.name] = evaluate(w, runs[st][w.name], workers=cfg["workers"],
+                                        short_batches=a.short_batches, cache=self.cache,
+                                        bs=self.bs_of[w.name], seeds=seeds, limits=limits,
+                                        quiet_ratio=quiet, loaded=st != "quiet")
+            out[st] = rows
+        return out
+
+
+def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
+    """The tables after the main one (``--extras``), each in interleaved rounds of its own."""
+    got: Dict[str, Any] = {}
+    if "memory" in a.extras:
+        got["copy_on_read"] = b.step("copy-on-read memory, 4 workers",
+                                     lambda: copy_on_read.measure_copy_on_read(rounds=a.rounds))
+    if "first-epoch" in a.extras:
+        got["first_epoch"] = b.step(
+            "first epoch after a model build",
+            lambda: first_epoch.measure_first_epoch(rounds=a.rounds, workers=a.workers))
+    return got
+
+
+def _combine(before: Dict[str, Any], after: Dict[str, Any], cores: int,
+             consumer_us: Dict[str, float]) -> Dict[str, Any]:
+    """Limits measured before and after the runs: the higher kept (load from
+    elsewhere can only lower them, and a low limit would flatter fastload)."""
+    return {"memcpy_bytes_per_s": max(before["memcpy_bytes_per_s"], after["memcpy_bytes_per_s"]),
+            **{k: {n: max(v, after[k][n]) for n, v in before[k].items()}
+               for k in ("raw_samples_per_s", "side_by_side_samples_per_s")},
+            "cores": cores, "before": before, "after": after, "consumer_us_per_batch": consumer_us}
 
 
 def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> Dict[str, Any]:
     """Run the benchmark as the command line would and return the JSON document.
     ``out`` is where the table goes: by default stdout (stderr with ``--json -``);
     pass an ``io.StringIO()`` to keep it quiet."""
-    a = parser().parse_args(argv)
-    for k, v in (QUICK if a.quick else FULL).items():
-        if getattr(a, k, None) is None:
-            setattr(a, k, v)
-    if a.workers < 1:
-        raise SystemExit("--workers must be >= 1: with 0 both loaders are the same code")
-    if a.rounds < 1 or a.seconds <= 0 or a.warmup < 0:
-        raise SystemExit("--rounds must be >= 1, --seconds > 0 and --warmup >= 0")
+    a = _settings(argv)
     if out is None:
         out = sys.stderr if a.json == "-" else sys.stdout
     t_start = time.monotonic()
-    chosen, skipped = _select(a, out)
-    if not chosen:
-        raise SystemExit("nothing to run")
-    machine = measure.machine_info()
-    cache = cache_root()
-    rounds = a.rounds
-    side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
-    per_limits = 1 + len(chosen) * (2 if side_by_side else 1)
-    total = (len([w for w in chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
-             + 2 * rounds * len(chosen) + 2)
-    prog = Progress(total, sys.stderr, enabled=a.json != "-")
-
-    def step(label: str, fn: Any) -> Any:
-        prog.start(label)
-        r, dt = measure.timed(fn)
-        prog.done(f"{label}: {dt:.1f} s")
-        return r
-
-    for w in chosen:
+    b = _Bench(a, out)
+    for w in b.chosen:
         if w.prepare:
-            step(f"{w.name}: data under {cache}", lambda w=w: timed_prepare(w, cache))
-    bs_of = {w.name: a.batch_size or w.batch_size for w in chosen}
-
-    def measure_limits(when: str) -> Dict[str, Any]:
-        lim = {"memcpy_bytes_per_s": step(f"memcpy bandwidth ({when})", measure.memcpy_bandwidth),
-               "raw_samples_per_s": {}, "side_by_side_samples_per_s": {}}
-        for w in chosen:
-            try:
-                lim["raw_samples_per_s"][w.name] = step(
-                    f"{w.name}: one-process rate ({when})",
-                    lambda w=w: measure.raw_rate(w, cache, bs_of[w.name], a.raw_seconds, a.seed))
-                if side_by_side:
-                    lim["side_by_side_samples_per_s"][w.name] = step(
-                        f"{w.name}: {a.workers} processes side by side ({when})",
-                        lambda w=w: measure.parallel_rate(w, cache, bs_of[w.name], a.raw_seconds,
-                                                          a.workers, a.seed))
-            except Exception:
-                prog.close()
-                traceback.print_exc()
-                raise SystemExit(f"{w.name}: making a batch without a loader failed (traceback above)")
-        return lim
-
-    # Limits are measured before and after the runs and the higher kept (once
-    # with --quick): load from elsewhere can only lower them, and a low limit
-    # would flatter fastload.
-    limits_before = measure_limits("before")
-    consumer_us = {w.name: measure.consumer_cost(w, cache, bs_of[w.name]) for w in chosen}
-    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w.name: {k: [] for k in report.KINDS} for w in chosen}
-    fl_method = {None: a.start_method, "same": a.start_method, "default": None}.get(
-        a.fastload_start_method, a.fastload_start_method)
-    plan = [(r, w, kind) for r in range(rounds) for w in chosen
-            for kind in (report.KINDS if r % 2 == 0 else report.KINDS[::-1])]  # A B, then B A
-    specs = [{"workload": w.spec or {"name": w.name}, "kind": kind, "batch_size": bs_of[w.name],
-              "workers": a.workers, "seed": a.seed, "short_batches": a.short_batches * a.workers,
-              "warmup": a.warmup, "seconds": a.seconds, "gap": a.gap,
-              "start_method": fl_method if kind == "fastload" else a.start_method,
-              "cache": cache, "sys_path": sys.path} for r, w, kind in plan]
-    label = lambda i: f"{plan[i][1].name} {plan[i][2]} round {plan[i][0] + 1}/{rounds}"  # noqa: E731
-
-    def done(i: int, res: Dict[str, Any]) -> None:
-        res["round"] = plan[i][0]
-        runs[plan[i][1].name][plan[i][2]].append(res)
-        prog.done(f"{label(i)}: {_summary(res)}")
-
-    measure.run_children(specs, 180 + 4 * (a.seconds + a.warmup), lambda i: prog.start(label(i)), done)
-
-    limits_after = measure_limits("after") if not a.quick else limits_before
-    resume = step("resume: state_dict() and per-batch costs", resume_cost.measure_resume_cost)
-    limits = {"memcpy_bytes_per_s": max(limits_before["memcpy_bytes_per_s"], limits_after["memcpy_bytes_per_s"]),
-              **{k: {n: max(v, limits_after[k][n]) for n, v in limits_before[k].items()}
-                 for k in ("raw_samples_per_s", "side_by_side_samples_per_s")},
-              "cores": machine["cpus_usable"], "before": limits_before, "after": limits_after,
-              "consumer_us_per_batch": consumer_us}
-    prog.start("reference checksums, in-process")
-    seeds = measure.base_seeds(a.seed, 2)
+            b.step(f"{w.name}: data under {b.cache}", lambda w=w: timed_prepare(w, b.cache))
+    before = b.measure_limits("before")
+    consumer_us = {w.name: measure.consumer_cost(w, b.cache, b.bs_of[w.name]) for w in b.chosen}
+    runs = b.run_all()
+    after = b.measure_limits("after") if not a.quick else before
+    resume = b.step("resume: state_dict() and per-batch costs", resume_cost.measure_resume_cost)
+    extras = _extras(a, b)
+    limits = _combine(before, after, b.machine["cpus_usable"], consumer_us)
+    b.prog.start("reference checksums, in-process")
     t_ref = time.monotonic()
-    workloads = {w.name: _evaluate(w, runs[w.name], a, cache, bs_of[w.name], seeds, limits) for w in chosen}
-    prog.done(f"reference checksums: {time.monotonic() - t_ref:.1f} s")
-    prog.close()
-    machine["loadavg_end"] = list(os.getloadavg())
-    res = {"machine": machine, "args": vars(a), "command": "python -m fastload.bench " + " ".join(argv or []),
-           "limits": limits, "workloads": workloads, "skipped": skipped, "resume": resume,
+    rows = b.evaluate(runs, limits)
+    b.prog.done(f"reference checksums: {time.monotonic() - t_ref:.1f} s")
+    b.prog.close()
+    b.machine["loadavg_end"] = list(os.getloadavg())
+    under_load = {st: {**b.states[st], "workloads": rows[st]}
+                  for st in b.states if st != "quiet"}
+    res = {"machine": b.machine, "args": vars(a), "command": "python -m fastload.bench " + " ".join(argv or []),
+           "limits": limits, "workloads": rows["quiet"], "under_load": under_load,
+           "skipped": b.skipped, "resume": resume, **extras,
            "elapsed_s": time.monotonic() - t_start}
     report.print_report(res, out)
-    tiny = workloads.get("tiny", {}).get("median", {}).get("fastload", {})
+    tiny = rows["quiet"].get("tiny", {}).get("median", {}).get("fastload", {})
     out.write(resume_cost.report_lines(resume, tiny.get("main_cpu_ms_per_batch") or 0.0))
+    if "copy_on_read" in extras:
+        out.write(copy_on_read.report_lines(extras["copy_on_read"]))
+    if "first_epoch" in extras:
+        out.write(first_epoch.report_lines(extras["first_epoch"]))
     return res
-
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -306,5 +366,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"JSON written to {a['json']}", file=out)
     if a["plot"]:
         report.plot(res, a["plot"], out)
-    bad = any(c != "yes" for w in res["workloads"].values() for c in w["correct"].values())
+    rows = list(res["workloads"].values()) + [wr for st in res["under_load"].values()
+                                              for wr in st["workloads"].values()]
+    bad = any(c != "yes" for w in rows for c in w["correct"].values())
     return 1 if bad else 0

@@ -9,7 +9,7 @@ from .workloads import Workload
 
 KINDS = ("fastload", "DataLoader")
 METRICS = ("samples_per_s", "batches_per_s", "ttfb_cold_s", "ttfb_warm_s",
-           "main_cpu_ms_per_batch", "peak_mem_mb")
+           "main_cpu_ms_per_batch", "workers_cpu_ms_per_batch", "peak_mem_mb")
 
 
 def medians(runs: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
@@ -74,14 +74,27 @@ def targets(w: Workload, fl: Dict[str, Any], dl: Dict[str, Any], limits: Dict[st
     return out
 
 
+def load_target(w: Workload, fl: Dict[str, Any], dl: Dict[str, Any],
+                quiet_ratio: Optional[float]) -> Dict[str, Any]:
+    """The samples/s target of a run under load: at least DataLoader's rate
+    and, for ``tiny`` (the loader's own per-batch cost), at least 0.8 x the
+    ratio fastload reached on the quiet machine in the same benchmark."""
+    a, b = fl.get("samples_per_s"), dl.get("samples_per_s")
+    r = a / b if a is not None and b else None
+    need, text = 1.0, ">=1x"
+    if w.rule == "tiny" and quiet_ratio:
+        need = max(1.0, 0.8 * quiet_ratio)
+        text = f">=1x & >=0.8x quiet={0.8 * quiet_ratio:.2f}x"
+    return _t("samples/s", r, need, None if r is None else r >= need, text)
+
+
 def _num(v: Optional[float], fmt: str, unit: str = "") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
 
-def print_report(res: Dict[str, Any], out: TextIO) -> None:
-    m, lim = res["machine"], res["limits"]
-    a = res["args"]
-    p = lambda *s: print(*s, file=out)  # noqa: E731
+def _header(res: Dict[str, Any], p: Any) -> None:
+    """The run's settings and the limits measured in it."""
+    m, lim, a = res["machine"], res["limits"], res["args"]
     p()
     p(f"fastload {m.get('fastload', '?')} against torch.utils.data.DataLoader: {a['workers']} "
       f"worker{'s' if a['workers'] != 1 else ''}, "
@@ -108,15 +121,18 @@ def print_report(res: Dict[str, Any], out: TextIO) -> None:
           + "; ".join(f"{k} {v:,.0f} ({share(k)} of it)" for k, v in side.items()))
     p("the loop's own work per batch (index check + checksum, both loaders): "
       + ", ".join(f"{k} {v:,.0f} us" for k, v in lim.get("consumer_us_per_batch", {}).items()))
+
+
+def _main_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
+    """The quiet machine's rows; returns the correctness problems to print."""
     mem_kind = next((r.get("mem_kind") for w in res["workloads"].values()
                      for runs in w["runs"].values() for r in runs if r.get("mem_kind")), "PSS")
-    nw = max([14] + [len(n) + 2 for n in res["workloads"]])
     hdr = (f"{'workload':<{nw}}{'loader':<11}{'samples/s':>10}{'batches/s':>10}  {'vs DataLoader':<40}"
-           f"{'1st batch':>10}{'warm 1st':>9}{'main CPU':>9}{'peak ' + mem_kind:>10}  correct")
+           f"{'1st batch':>10}{'warm 1st':>9}{'main CPU':>9}{'wkrs CPU':>9}{'peak ' + mem_kind:>10}  correct")
     p()
     p(hdr)
     p(f"{'':<{nw}}{'':<11}{'':>10}{'':>10}  {'(target) met?':<40}{'cold, s':>10}{'batch, s':>9}"
-      f"{'ms/batch':>9}{'MB':>10}")
+      f"{'ms/batch':>9}{'ms/batch':>9}{'MB':>10}")
     p("-" * len(hdr))
     notes: List[str] = []
     for name, wr in res["workloads"].items():
@@ -126,16 +142,42 @@ def print_report(res: Dict[str, Any], out: TextIO) -> None:
             if kind == "fastload":
                 t = wr["targets"][0]
                 vs = f"{_num(t['value'], '.2f', 'x')} ({t['text']}) {_mark(t['ok'])}"
-            corr = wr["correct"][kind]
             p(f"{name if kind == 'fastload' else '':<{nw}}{kind:<11}{_num(md['samples_per_s'], ',.0f'):>10}"
               f"{_num(md['batches_per_s'], ',.1f'):>10}  {vs:<40}{_num(md['ttfb_cold_s'], '.2f'):>10}"
               f"{_num(md['ttfb_warm_s'], '.3f'):>9}{_num(md['main_cpu_ms_per_batch'], '.3f'):>9}"
-              f"{_num(md['peak_mem_mb'], ',.0f'):>10}  {corr}")
-        for kind in KINDS:
-            for prob in wr["problems"][kind]:
-                notes.append(f"{name} {kind}: {prob}")
+              f"{_num(md.get('workers_cpu_ms_per_batch'), '.3g'):>9}"
+              f"{_num(md['peak_mem_mb'], ',.0f'):>10}  {wr['correct'][kind]}")
+        notes += [f"{name} {kind}: {prob}" for kind in KINDS for prob in wr["problems"][kind]]
     for name, why in res.get("skipped", {}).items():
         p(f"{name:<{nw}}skipped: {why}")
+    return notes
+
+
+def _under_load_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
+    """The rows of the runs under load; returns the correctness problems to print."""
+    notes: List[str] = []
+    if not res.get("under_load"):
+        return notes
+    p()
+    p("under load (same interleaving; samples/s medians):")
+    p(f"  {'workload':<{nw}}{'run':<40}{'fastload':>10}{'DataLoader':>11}  {'ratio (target) met?':<44}"
+      f"{'CPU ms/batch, main+workers':>28}  correct")
+    for st, cfg in res["under_load"].items():
+        for name, wr in cfg["workloads"].items():
+            fl, dl = wr["median"]["fastload"], wr["median"]["DataLoader"]
+            t = wr["targets"][0]
+            vs = f"{_num(t['value'], '.2f', 'x')} ({t['text']}) {_mark(t['ok'])}"
+            cpu = " / ".join(f"{_num(m['main_cpu_ms_per_batch'], '.3g')}+"
+                             f"{_num(m.get('workers_cpu_ms_per_batch'), '.3g')}" for m in (fl, dl))
+            p(f"  {name:<{nw}}{st + ': ' + cfg['what']:<40}{_num(fl['samples_per_s'], ',.0f'):>10}"
+              f"{_num(dl['samples_per_s'], ',.0f'):>11}  {vs:<44}{cpu:>28}  "
+              f"{wr['correct']['fastload']}/{wr['correct']['DataLoader']}")
+            notes += [f"{name} [{st}] {kind}: {prob}" for kind in KINDS for prob in wr["problems"][kind]]
+    return notes
+
+
+def _other_targets(res: Dict[str, Any], p: Any, nw: int) -> None:
+    """Cold and warm first batch, memory and main CPU against their targets."""
     p()
     p("other targets (fastload against DataLoader, same run):")
     whats = ["cold 1st batch", "warm 1st batch", "peak memory", "main CPU/batch"]
@@ -156,11 +198,26 @@ def print_report(res: Dict[str, Any], out: TextIO) -> None:
         if t.get("floor_s") and t["floor_s"] > 0.2:
             p(f"  note: {name}: one process takes about {t['floor_s']:.2f} s to make one batch "
               f"(batch size / one-process rate): <=0.2 s is out of reach for any loader here")
-    logged = [f"{name} {kind} round {r.get('round', 0) + 1}" for name, wr in res["workloads"].items()
+    every = [(name, wr) for name, wr in res["workloads"].items()] + [
+        (f"{name} [{st}]", wr) for st, cfg in res.get("under_load", {}).items()
+        for name, wr in cfg["workloads"].items()]
+    logged = [f"{name} {kind} round {r.get('round', 0) + 1}" for name, wr in every
               for kind, runs in wr["runs"].items() for r in runs if r.get("log", "").strip()]
     if logged:
         p(f"  note: {len(logged)} run(s) wrote to stderr ({', '.join(logged[:4])}"
           f"{', ...' if len(logged) > 4 else ''}): see 'log' in --json")
+
+
+def print_report(res: Dict[str, Any], out: TextIO) -> None:
+    """The whole report: settings and limits, the quiet table, the runs under
+    load, the other targets, problems, the machine and its load average."""
+    m = res["machine"]
+    p = lambda *s: print(*s, file=out)  # noqa: E731
+    _header(res, p)
+    nw = max([14] + [len(n) + 2 for n in res["workloads"]])
+    notes = _main_table(res, p, nw)
+    notes += _under_load_table(res, p, nw)
+    _other_targets(res, p, nw)
     if notes:
         p()
         p("correctness problems:")

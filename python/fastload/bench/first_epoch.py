@@ -1,8 +1,9 @@
 """The first epoch of a training-like script: loader built, then the model, then iter().
 
-    python bench/first_epoch.py [--rounds 3] [--build-s 2.0] [--workers 2] [--json PATH]
+    python -m fastload.bench.first_epoch [--rounds 3] [--build-s 2.0] [--workers 2]
 
-Each run is a fresh interpreter running the same script with one loader:
+(also part of ``python -m fastload.bench``). Each run is a fresh interpreter
+running the same script with one loader:
 
 * ``fork`` / ``spawn``: ``torch.utils.data.DataLoader`` with that start method;
 * ``fastload``: ``FastLoader`` (its zygote starts when the loader is built);
@@ -10,13 +11,13 @@ Each run is a fresh interpreter running the same script with one loader:
   ``DataLoader`` (its zygote starts at ``install()``).
 
 The script builds its model between the loader and ``iter()`` (a stack of
-layers initialised for about ``--build-s`` seconds, as a real model build or
-checkpoint load would take), then trains one epoch of 32 batches (a small
-JPEG-free workload: 64 float tensors of 3x64x64 per batch, a linear step). It
-reports the time from ``iter()`` to the end of the epoch and from the start
-of the script (after its imports: torch is imported by every variant alike)
-to the end of the epoch. Runs alternate between the loaders
-(A B C D, then D C B A, ...); medians are printed.
+layers initialised for about ``build_s`` seconds, as a real model build or
+checkpoint load would take), then trains one epoch of 32 batches (64 float
+tensors of 3x64x64 per batch, a linear step). It reports the time from
+``iter()`` to the end of the epoch and from the start of the script (after
+its imports: torch is imported by every variant alike) to the end of the
+epoch. Runs alternate between the loaders (A B C D, then D C B A, ...);
+medians are reported, and ratios of DataLoader(fork)'s time to each.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import Any, Dict, List, Optional
 
 SCRIPT = textwrap.dedent("""
     import json, sys, time
@@ -83,33 +85,50 @@ SCRIPT = textwrap.dedent("""
 MODES = ("fork", "spawn", "fastload", "install")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--build-s", type=float, default=2.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
-    runs = {m: [] for m in MODES}
+def measure_first_epoch(rounds: int = 3, build_s: float = 2.0, workers: int = 2) -> Dict[str, Any]:
+    """Interleaved runs of the script with every loader; medians in seconds."""
+    runs: Dict[str, List[Dict[str, float]]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "train.py")
         with open(script, "w") as f:
             f.write(SCRIPT)
-        for r in range(a.rounds):
+        for r in range(rounds):
             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                out = subprocess.run([sys.executable, script, mode, str(a.build_s), str(a.workers)],
+                out = subprocess.run([sys.executable, script, mode, str(build_s), str(workers)],
                                      check=True, capture_output=True, text=True, cwd=tmp).stdout
                 runs[mode].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"first epoch after a {a.build_s:g} s model build, {a.workers} workers, "
-          f"{a.rounds} rounds, medians:")
-    print(f"{'loader':<10}{'iter() to epoch end s':>24}{'script start to epoch end s':>30}")
+    median = {m: {k: statistics.median(x[k] for x in runs[m]) for k in ("epoch_s", "script_s")}
+              for m in MODES}
+    return {"rounds": rounds, "build_s": build_s, "workers": workers, "runs": runs,
+            "median": median,
+            "vs_fork": {m: median["fork"]["epoch_s"] / median[m]["epoch_s"] for m in MODES}}
+
+
+def report_lines(res: Dict[str, Any]) -> str:
+    """The first-epoch table printed after the benchmark's main one."""
+    lines = [f"\nFirst epoch after a {res['build_s']:g} s model build, {res['workers']} workers, "
+             f"medians of {res['rounds']} rounds",
+             f"{'loader':<10}{'iter() to epoch end s':>24}{'script start to epoch end s':>30}"
+             f"{'vs fork':>10}"]
     for mode in MODES:
-        e = statistics.median(x["epoch_s"] for x in runs[mode])
-        s = statistics.median(x["script_s"] for x in runs[mode])
-        print(f"{mode:<10}{e:>24.2f}{s:>30.2f}")
+        m = res["median"][mode]
+        lines.append(f"{mode:<10}{m['epoch_s']:>24.2f}{m['script_s']:>30.2f}"
+                     f"{res['vs_fork'][mode]:>9.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--build-s", type=float, default=2.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the runs and medians as JSON")
+    a = p.parse_args(argv)
+    res = measure_first_epoch(a.rounds, a.build_s, a.workers)
+    sys.stdout.write(report_lines(res))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
+            json.dump(res, f, indent=1)
     return 0
 
 

@@ -1,0 +1,49 @@
+"""The benchmark's extra tables: copy-on-read memory and the first epoch.
+
+Structure and bounded ratios only, never time: one small round of each."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastload.bench import copy_on_read, first_epoch
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This DataLoader will create .* worker processes in total")
+
+
+@pytest.mark.heavy
+def test_copy_on_read_measures_every_loader_and_fastload_shares_the_dataset():
+    res = copy_on_read.measure_copy_on_read(n=300_000, workers=2, rounds=1)
+    assert set(res["median"]) == {"fork", "spawn", "fastload_epoch1", "fastload_epoch2"}
+    for name, m in res["median"].items():
+        assert m["pss_mb"] > 0 and m["uss_mb"] > 0, (name, m)
+    for run in res["runs"]["fastload"]:
+        assert run["epoch1"]["workers"] == run["epoch2"]["workers"] == 2
+    # Shared, as with fork: far below spawn, whose workers each unpickle a
+    # copy and import torch (the test of the bound itself is in test_memory).
+    text = copy_on_read.report_lines(res)
+    for name in ("fastload_epoch1", "fastload_epoch2"):
+        assert res["median"][name]["pss_mb"] < 0.8 * res["median"]["spawn"]["pss_mb"], text
+        assert name in text
+
+
+@pytest.mark.slow
+def test_first_epoch_times_every_loader():
+    res = first_epoch.measure_first_epoch(rounds=1, build_s=0.1, workers=1)
+    assert set(res["median"]) == set(first_epoch.MODES)
+    for mode, m in res["median"].items():
+        assert 0 < m["epoch_s"] <= m["script_s"], (mode, m)
+        assert res["vs_fork"][mode] > 0
+    text = first_epoch.report_lines(res)
+    assert all(mode in text for mode in first_epoch.MODES)
+
+def test_extras_are_in_a_full_run_and_not_in_a_quick_one():
+    from fastload.bench.cli import EXTRAS, _settings
+
+    assert _settings([]).extras == list(EXTRAS)
+    assert _settings(["--quick"]).extras == []
+    assert _settings(["--dataset", "m:f"]).extras == []
+    assert _settings(["--quick", "--extras", "memory"]).extras == ["memory"]
+    with pytest.raises(SystemExit):
+        _settings(["--extras", "speed"])
