@@ -54,10 +54,11 @@ constexpr uint64_t kNoSeq = ~0ULL;
 
 static_assert((kMaxSlots & (kMaxSlots - 1)) == 0, "kMaxSlots must be a power of two");
 static_assert(kMaxSlots % 64 == 0, "the free bitmap is whole 64-bit words");
-// Completion queue capacity: a power of two, and twice the most slots, so
-// that even with every slot committed twice before main looks (possible only
-// when main found a slot by a rescan and reassigned it before its first
-// entry was pushed) no entry is overwritten unread.
+// Completion queue capacity: a power of two, and twice the most slots. Main
+// takes every entry at each look, and a slot completes once per assignment,
+// so unread entries outnumber the slots only when main took results without
+// looking at the queue (is_ready()); entries then written over cost a
+// rescan, never a batch.
 constexpr uint32_t kCompletionCapacity = 2 * kMaxSlots;
 static_assert((kCompletionCapacity & (kCompletionCapacity - 1)) == 0 &&
                   kCompletionCapacity >= kMaxSlots,
