@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import warnings
-from multiprocessing import resource_tracker
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -25,16 +24,8 @@ from torch.utils.data import (
 )
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
-import eq_datasets as eqd
 from fastload import FastLoader
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker_running():
-    """The first spawned process starts multiprocessing's resource tracker,
-    whose pipe then stays open for good: start it before the per-test leak
-    check takes its fd snapshot."""
-    resource_tracker.ensure_running()
+from support import equality as eqd
 
 
 MAP = eqd.IndexDataset(10)

@@ -16,8 +16,8 @@ arguments (test_arguments), large batches through the overflow segment and
 views in a custom collate compared by value (test_equality).
 
 DataLoader runs with its platform default start method (fork: fast).
-Datasets live in ``bad_datasets`` (and ``faulty_datasets``) so that spawned
-or zygote-forked workers import them by reference. Every FastLoader starts
+Datasets live in ``tests/support`` so that spawned or zygote-forked workers
+import them by reference. Every FastLoader starts
 worker processes (about a second each here), so each test uses one loader
 for its error epoch and its recovery epoch: the dataset is pickled anew for
 every iterator, so a cause removed in this process is gone in the workers.
@@ -31,7 +31,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import traceback
 import warnings
 from typing import Any, List
 
@@ -39,29 +38,25 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import bad_datasets as bd
-import faulty_datasets as fd
 from fastload import FastLoader
-
-NW = 2  # the CI machine has 2 cores
-HANG_S = 10.0  # anything slower than this is a hang, not a slow machine
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+from fastload.debug import debug_view
+from support import HANG_S, NW, TESTS_DIR
+from support.datasets import (BigSample, Empty, EmptyIterable, Images, ListDataset, PastTheEnd,
+                              Plain, keep_collate, meta_collate, strided_collate)
+from support.faults import Chatty, Holds, HugeCollate, Misbehave, OddSample
+from support.outcomes import exc_text, last_line, outcomes, shape_of, worker_no
+from support.processes import wait_pids_gone
 
 
 # ---------------------------------------------------------------------------
 # helpers
 
 
-def _exc_text(exc: BaseException) -> str:
-    """str(exc) plus any PEP 678 notes (where fastload may add its context)."""
-    return "".join(traceback.format_exception_only(type(exc), exc))
-
-
 def run(loader: Any, max_steps: int = 50) -> List[tuple]:
     """One epoch like a training loop that survives errors:
     ``("ok", batch)`` or ``("err", type, str(exc), text with notes)`` per
-    ``next()`` (``faulty_datasets.outcomes``)."""
-    return fd.outcomes(loader, max_steps, describe=_exc_text)
+    ``next()`` (``support.outcomes.outcomes``)."""
+    return outcomes(loader, max_steps, describe=exc_text)
 
 
 def dl_run(loader: DataLoader, max_steps: int = 50) -> List[tuple]:
@@ -74,22 +69,6 @@ def dl_run(loader: DataLoader, max_steps: int = 50) -> List[tuple]:
     gc.collect() is done first on purpose.
     """
     return run(loader, max_steps)
-
-
-def skeleton(results: List[tuple]) -> List[Any]:
-    """Batches, and exception types in place of errors."""
-    return [r[1] for r in results]
-
-
-def worker_no(msg: str) -> str:
-    m = re.search(r"in DataLoader worker process (\d+)", msg)
-    assert m, msg
-    return m.group(1)
-
-
-def last_line(msg: str) -> str:
-    """The original exception's own line, at the end of a worker traceback."""
-    return msg.rstrip().splitlines()[-1]
 
 
 def assert_worker_error_like_dataloader(fl: tuple, dl: tuple, indices: str) -> None:
@@ -113,7 +92,7 @@ def iter_error(loader: Any) -> tuple:
     try:
         it = iter(loader)
     except Exception as e:  # noqa: BLE001 - recorded for comparison
-        out = (type(e), _exc_text(e))
+        out = (type(e), exc_text(e))
         del e
         return out
     del it
@@ -130,18 +109,18 @@ def all_ok(results: List[tuple]) -> List[Any]:
 
 
 def test_inconsistent_shapes_stack_error_like_dataloader():
-    ds = bd.RaggedOn(8, bad=5)
+    ds = Misbehave(8, {5: "ragged"}, width=3)
     dl = dl_run(DataLoader(ds, batch_size=2, num_workers=NW))
     loader = FastLoader(ds, batch_size=2, num_workers=NW)
     fl = run(loader)
-    assert skeleton(dl) == [[[0] * 3, [1] * 3], [[2] * 3, [3] * 3], RuntimeError,
+    assert shape_of(dl) == [[[0] * 3, [1] * 3], [[2] * 3, [3] * 3], RuntimeError,
                             [[6] * 3, [7] * 3]]
-    assert skeleton(fl) == skeleton(dl)
+    assert shape_of(fl) == shape_of(dl)
     assert_worker_error_like_dataloader(fl[2], dl[2], "[4, 5]")
     assert "stack expects each tensor to be equal size, but got [3] at entry 0 and [4] at entry 1" \
         in last_line(fl[2][2])
     # the cause gone: a new epoch of the same loader is whole
-    ds.bad = -1
+    ds.on = {}
     assert all_ok(run(loader)) == [[[i] * 3, [i + 1] * 3] for i in range(0, 8, 2)]
 
 
@@ -149,13 +128,14 @@ def test_inconsistent_shapes_stack_error_like_dataloader():
 # 2. unpicklable objects in a sample (a lock and a generator: test_errors)
 
 
+@pytest.mark.heavy
 def test_unpicklable_samples_of_other_kinds():
     """A lambda (pickle raises AttributeError), an object whose __reduce__
     raises ValueError, and one that pickles but cannot be rebuilt in the main
     process. DataLoader hangs on the first two (its queue's feeder thread
     drops the batch); fastload names the batch and goes on."""
-    ds = bd.OddSample(10, {1: "lambda", 3: "nodump", 5: "noload"})
-    loader = FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=bd.keep_collate)
+    ds = OddSample(10, {1: "lambda", 3: "nodump", 5: "noload"})
+    loader = FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=keep_collate)
     t0 = time.monotonic()
     fl = run(loader)
     assert time.monotonic() - t0 < HANG_S + 5  # includes worker start-up
@@ -179,14 +159,14 @@ def test_sample_that_cannot_be_rebuilt_in_main_like_dataloader_and_named():
     """The batch pickles in the worker but unpickling it in the main process
     raises. DataLoader raises that exception as it is (and then loses the
     batch); fastload raises the same, and should say which batch it was."""
-    ds = bd.OddSample(10, {5: "noload"})
-    it = iter(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=bd.keep_collate))
+    ds = OddSample(10, {5: "noload"})
+    it = iter(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=keep_collate))
     with pytest.raises(Exception) as dl_info:
         for _ in range(5):
             next(it)
     dl_type, dl_msg = dl_info.type, str(dl_info.value)
     del it, dl_info
-    fl = run(FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=bd.keep_collate))
+    fl = run(FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=keep_collate))
     assert [r[0] for r in fl] == ["ok", "ok", "err", "ok", "ok"]
     _, fl_type, fl_msg, fl_text = fl[2]
     assert fl_type is dl_type is ValueError
@@ -200,15 +180,15 @@ def test_sample_that_cannot_be_rebuilt_in_main_like_dataloader_and_named():
 # 3. a dataset that cannot be pickled for the workers (lock, socket: test_errors)
 
 
-def _holds(kind: str, tmp_path: Any) -> bd.Holds:
+def _holds(kind: str, tmp_path: Any) -> Holds:
     if kind == "read_file":
         path = tmp_path / "rows.txt"
         path.write_text("row 0\nrow 1\n")
-        ds = bd.Holds(8, "file", path=str(path))
+        ds = Holds(8, "file", path=str(path))
         ds.drop_cause()
         ds.log_handle = open(path)  # opened for reading
         return ds
-    return bd.Holds(8, "file" if kind == "write_file" else kind, path=str(tmp_path / "log.txt"))
+    return Holds(8, "file" if kind == "write_file" else kind, path=str(tmp_path / "log.txt"))
 
 
 UNPICKLABLE = ["lock", "generator", "write_file", "read_file"]
@@ -257,7 +237,7 @@ def test_unpicklable_dataset_error_names_the_attribute(kind, tmp_path):
 
 
 def test_unpicklable_dataset_then_fixed_loader_works(tmp_path):
-    ds = bd.Holds(6, "lock")
+    ds = Holds(6, "lock")
     loader = FastLoader(ds, batch_size=2, num_workers=NW)
     with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
         iter(loader)
@@ -270,13 +250,13 @@ def test_unpicklable_dataset_then_fixed_loader_works(tmp_path):
 
 
 def test_sampler_past_the_end_indexerror_like_dataloader():
-    ds = bd.ListDataset(10)  # its IndexError says "list index out of range", no index
-    sampler = bd.PastTheEnd(10, extra=5)
+    ds = ListDataset(10)  # its IndexError says "list index out of range", no index
+    sampler = PastTheEnd(10, extra=5)
     dl = dl_run(DataLoader(ds, batch_size=4, num_workers=NW, sampler=sampler))
     loader = FastLoader(ds, batch_size=4, num_workers=NW, sampler=sampler)
     fl = run(loader)
-    assert skeleton(dl) == [[0, 1, 2, 3], [4, 5, 6, 7], IndexError, IndexError]
-    assert skeleton(fl) == skeleton(dl)
+    assert shape_of(dl) == [[0, 1, 2, 3], [4, 5, 6, 7], IndexError, IndexError]
+    assert shape_of(fl) == shape_of(dl)
     assert_worker_error_like_dataloader(fl[2], dl[2], "[8, 9, 10, 11]")
     assert_worker_error_like_dataloader(fl[3], dl[3], "[12, 13, 14]")
     assert last_line(fl[2][2]) == "IndexError: list index out of range"
@@ -291,12 +271,12 @@ def test_sampler_past_the_end_indexerror_like_dataloader():
 def test_lying_len_like_dataloader():
     """Says 14 for 10 rows: IndexError at the real end; says 6: six samples;
     then the truth: everything. One loader, three epochs."""
-    ds = bd.ListDataset(10, reported=14)
+    ds = ListDataset(10, reported=14)
     dl_loader = DataLoader(ds, batch_size=4, num_workers=NW)
     fl_loader = FastLoader(ds, batch_size=4, num_workers=NW)
     dl, fl = dl_run(dl_loader), run(fl_loader)
-    assert skeleton(dl) == [[0, 1, 2, 3], [4, 5, 6, 7], IndexError, IndexError]
-    assert skeleton(fl) == skeleton(dl)
+    assert shape_of(dl) == [[0, 1, 2, 3], [4, 5, 6, 7], IndexError, IndexError]
+    assert shape_of(fl) == shape_of(dl)
     assert_worker_error_like_dataloader(fl[2], dl[2], "[8, 9, 10, 11]")
     assert_worker_error_like_dataloader(fl[3], dl[3], "[12, 13]")
     ds.reported = 6
@@ -314,9 +294,9 @@ def test_lying_len_like_dataloader():
                                     dict(batch_size=0, drop_last=True)])
 def test_bad_batch_size_same_error(kwargs):
     with pytest.raises(Exception) as dl_info:
-        DataLoader(fd.Plain(4), num_workers=NW, **kwargs)
+        DataLoader(Plain(4), num_workers=NW, **kwargs)
     with pytest.raises(Exception) as fl_info:
-        FastLoader(fd.Plain(4), num_workers=NW, **kwargs)
+        FastLoader(Plain(4), num_workers=NW, **kwargs)
     assert fl_info.type is dl_info.type is ValueError
     assert str(fl_info.value) == str(dl_info.value)
     assert f"batch_size={kwargs['batch_size']}" in str(fl_info.value)
@@ -324,17 +304,17 @@ def test_bad_batch_size_same_error(kwargs):
 
 def test_empty_dataset_with_shuffle_same_error():
     with pytest.raises(Exception) as dl_info:
-        DataLoader(fd.Empty(), batch_size=2, shuffle=True, num_workers=NW)
+        DataLoader(Empty(), batch_size=2, shuffle=True, num_workers=NW)
     with pytest.raises(Exception) as fl_info:
-        FastLoader(fd.Empty(), batch_size=2, shuffle=True, num_workers=NW)
+        FastLoader(Empty(), batch_size=2, shuffle=True, num_workers=NW)
     assert fl_info.type is dl_info.type is ValueError
     assert str(fl_info.value) == str(dl_info.value)
     assert "num_samples=0" in str(fl_info.value)
 
 
 def test_empty_iterable_dataset_with_workers():
-    dl = dl_run(DataLoader(bd.EmptyIterable(), batch_size=2, num_workers=NW))
-    loader = FastLoader(bd.EmptyIterable(), batch_size=2, num_workers=NW)
+    dl = dl_run(DataLoader(EmptyIterable(), batch_size=2, num_workers=NW))
+    loader = FastLoader(EmptyIterable(), batch_size=2, num_workers=NW)
     t0 = time.monotonic()
     assert run(loader) == dl == []
     assert run(loader) == []  # and again (a warm pool)
@@ -347,18 +327,18 @@ def test_empty_iterable_dataset_with_workers():
 
 def test_absurd_allocation_like_dataloader():
     """A sample (index 5) and a collate_fn (batch with 2) ask torch for 8 PiB."""
-    ds = bd.HugeOn(8, bad=5)
-    collate = bd.HugeCollate(bad=2)
+    ds = Misbehave(8, {5: "huge"}, width=4)
+    collate = HugeCollate(bad=2)
     dl = dl_run(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate)
     fl = run(loader)
     rows = [[[i] * 4, [i + 1] * 4] for i in range(0, 8, 2)]
-    assert skeleton(dl) == [rows[0], RuntimeError, RuntimeError, rows[3]]
-    assert skeleton(fl) == skeleton(dl)
+    assert shape_of(dl) == [rows[0], RuntimeError, RuntimeError, rows[3]]
+    assert shape_of(fl) == shape_of(dl)
     assert_worker_error_like_dataloader(fl[1], dl[1], "[2, 3]")
     assert_worker_error_like_dataloader(fl[2], dl[2], "[4, 5]")
     assert "can't allocate memory" in fl[2][2]
-    ds.bad = -1
+    ds.on = {}
     collate.bad = -1
     assert all_ok(run(loader)) == rows
 
@@ -367,7 +347,7 @@ def test_big_feasible_sample_arrives_whole():
     """300 MB per batch (a single sample, default collate): larger than the
     default 64 MiB slot, through the overflow segment, every element right."""
     numel = 75_000_000  # int32: 300 MB
-    loader = FastLoader(bd.BigSample(2, numel), batch_size=1, num_workers=NW)
+    loader = FastLoader(BigSample(2, numel), batch_size=1, num_workers=NW)
     t0 = time.monotonic()
     n = 0
     for i, batch in enumerate(loader):
@@ -386,10 +366,10 @@ def test_big_feasible_sample_arrives_whole():
 
 
 def test_collate_returns_meta_device_tensor_like_dataloader():
-    dl = all_ok(dl_run(DataLoader(fd.Plain(6), batch_size=2, num_workers=NW,
-                                  collate_fn=bd.meta_collate)))
-    fl = all_ok(run(FastLoader(fd.Plain(6), batch_size=2, num_workers=NW,
-                               collate_fn=bd.meta_collate)))
+    dl = all_ok(dl_run(DataLoader(Plain(6), batch_size=2, num_workers=NW,
+                                  collate_fn=meta_collate)))
+    fl = all_ok(run(FastLoader(Plain(6), batch_size=2, num_workers=NW,
+                               collate_fn=meta_collate)))
     assert len(fl) == len(dl) == 3
     for f, d in zip(fl, dl):
         assert torch.equal(f["x"], d["x"])
@@ -411,11 +391,11 @@ def test_strided_views_from_collate_like_dataloader():
     channels_last: same values and same strides as DataLoader's. A small
     view of a big fresh tensor arrives compacted (contiguous) on purpose
     (serialize.SlotWriter._describe): same values, DataLoader's strides differ."""
-    ds = bd.Images(6)
+    ds = Images(6)
     dl = all_ok(dl_run(DataLoader(ds, batch_size=2, num_workers=NW,
-                                  collate_fn=bd.strided_collate)))
+                                  collate_fn=strided_collate)))
     fl = all_ok(run(FastLoader(ds, batch_size=2, num_workers=NW,
-                               collate_fn=bd.strided_collate)))
+                               collate_fn=strided_collate)))
     assert len(fl) == len(dl) == 3
     compacted = {"view_in_big"}
     for b, (f, d) in enumerate(zip(fl, dl)):
@@ -436,7 +416,7 @@ def test_default_collate_of_channels_last_samples_bigger_than_a_slot():
     and when the batch does not fit the slot into a fresh contiguous tensor
     as well (not with out=None, which would keep the samples' channels_last
     strides and make a batch's layout depend on its size)."""
-    ds = bd.Images(32, channels_last=True, h=64, w=64)  # 32 x 48 KiB > 1 MiB slot
+    ds = Images(32, channels_last=True, h=64, w=64)  # 32 x 48 KiB > 1 MiB slot
     dl = list(DataLoader(ds, batch_size=32, num_workers=NW))
     fl = list(FastLoader(ds, batch_size=32, num_workers=NW, slot_bytes=1 << 20))
     assert len(fl) == len(dl) == 1
@@ -468,7 +448,7 @@ def test_chatty_workers(tmp_path):
             log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(log, fd)
             os.close(log)
-        loader = FastLoader(bd.Chatty(8, 2 << 20), batch_size=2, num_workers=NW)
+        loader = FastLoader(Chatty(8, 2 << 20), batch_size=2, num_workers=NW)
         t0 = time.monotonic()
         got = [b[:, 0].tolist() for b in loader]
         took = time.monotonic() - t0
@@ -490,11 +470,12 @@ def test_chatty_workers(tmp_path):
 # 11. a worker that calls os._exit(0) (exit codes 3 and sys.exit(0): test_errors)
 
 
+@pytest.mark.heavy
 def test_worker_os_exit_0():
-    ds = fd.HardExitOn(12, bad=4, code=0)
+    ds = Misbehave(12, {4: "exit"}, code=0)
     loader = FastLoader(ds, batch_size=2, num_workers=NW)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     assert [next(it).tolist(), next(it).tolist()] == [[0, 1], [2, 3]]
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
@@ -507,15 +488,15 @@ def test_worker_os_exit_0():
                      msg), msg
     assert "batch(es) 2" in msg and "[4, 5]" in msg
     # the iterator shut its pool down; next() fails again at once
-    assert it._shutdown
-    assert fd.wait_pids_gone(pids, timeout=5) == []
+    assert debug_view(it).shut_down
+    assert wait_pids_gone(pids, timeout=5) == []
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exited unexpectedly with exit code 0"):
         next(it)
     assert time.monotonic() - t0 < 1.0
     del it
     # the cause gone, a new epoch of the same loader (new workers) is whole
-    ds.bad = -1
+    ds.on = {}
     assert all_ok(run(loader)) == [[i, i + 1] for i in range(0, 12, 2)]
 
 
@@ -526,12 +507,12 @@ _FORK_SCRIPT = textwrap.dedent(
     """
     import gc, os, sys
     sys.path.insert(0, {tests!r})
-    import faulty_datasets as fd
     from fastload import FastLoader
+    from support.datasets import Plain
 
     if __name__ == "__main__":
         gc.disable()  # make the timing of collection deterministic
-        loader = FastLoader(fd.Plain(12), batch_size=2, num_workers=2)
+        loader = FastLoader(Plain(12), batch_size=2, num_workers=2)
         it = iter(loader)
         batch = next(it)
         # A batch only reachable from a reference cycle, as after an except
@@ -555,6 +536,7 @@ _FORK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_forked_child_collecting_garbage_leaves_the_ring_alone(tmp_path):
     """A child forked from the training process (DataLoader's default workers,
     multiprocessing fork) inherits fastload's objects and may collect them.

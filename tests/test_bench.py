@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
+import pytest
 import torch
 from torch.utils.data import Dataset, default_collate
 
@@ -37,6 +38,7 @@ def make_dataset() -> Dict[str, Any]:
     return {"dataset": Noisy(), "batch_size": 8, "collate_fn": collate}
 
 
+@pytest.mark.heavy
 def test_bench_runs_and_checks_a_user_dataset(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # One workload, one worker, one round: two runs, about 15 s (process starts).
@@ -94,6 +96,7 @@ def test_checksum_reads_content_and_slicing_agrees():
     assert checksum(default_collate(swapped)) != checksum(default_collate(samples))
 
 
+@pytest.mark.heavy
 def test_parallel_script_measures_one_and_two_processes():
     """bench/parallel.py (the machine's bound quoted in the README) runs and
     reports both rates; figures themselves are not checked."""

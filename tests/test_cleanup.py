@@ -21,30 +21,18 @@ import tempfile
 import textwrap
 import threading
 import time
-from multiprocessing import resource_tracker
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import _children, _shm
 from fastload import FastLoader
+from fastload.debug import debug_view
+from support import HANG_S, KILLED_RE, NW, TESTS_DIR
+from support.datasets import ACCEL_VARS, UNSET, EnvProbe, Plain
+from support.processes import children, pid_alive, shm_entries, wait_pids_gone
 
-import faulty_datasets as fd
-
-NW = 2
-HANG_S = 10.0  # generous: only there to turn a hang into a failure
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-KILLED_RE = r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed"
 EXPECTED = [[i, i + 1] for i in range(0, 10, 2)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker_running():
-    # Starting the first spawn worker of the session starts multiprocessing's
-    # resource tracker, whose pipe stays open in this process for good: start
-    # it before no_leaks takes its fd snapshot.
-    resource_tracker.ensure_running()
 
 
 # fastload may keep a non-persistent loader's pool warm between epochs
@@ -64,13 +52,13 @@ def _plain_loader(reuse: bool = False, **kw) -> FastLoader:
     kw.setdefault("num_workers", NW)
     if REUSE_SUPPORTED:
         kw.setdefault("reuse_workers", reuse)
-    return FastLoader(fd.Plain(10), **kw)
+    return FastLoader(Plain(10), **kw)
 
 
 def _assert_no_workers(pids, timeout: float = 5.0) -> None:
-    left = fd.wait_pids_gone(pids, timeout)
+    left = wait_pids_gone(pids, timeout)
     assert left == [], f"workers still running: {left}"
-    assert [c.pid for c in _children() if c.pid in pids] == []
+    assert [c.pid for c in children() if c.pid in pids] == []
 
 
 def _after_iterator_end(loader, pids, reuse: bool) -> None:
@@ -78,13 +66,14 @@ def _after_iterator_end(loader, pids, reuse: bool) -> None:
     if not reuse:
         _assert_no_workers(pids)
         return
-    assert all(fd.pid_alive(p) for p in pids), "reused workers died with their iterator"
-    ring = loader._idle_pool.ring
+    assert all(pid_alive(p) for p in pids), "reused workers died with their iterator"
+    ring = debug_view(loader).idle_pool.ring
     it = iter(loader)
-    assert it._ring is ring  # the same warm pool ...
+    view = debug_view(it)
+    assert view.ring == ring  # the same warm pool ...
     # ... whose new session has fresh workers forked from its zygote (the
     # old ones are gone, as DataLoader's are at an epoch's end) ...
-    assert set(it._pool.pids).isdisjoint(pids)
+    assert set(view.worker_pids).isdisjoint(pids)
     _assert_no_workers(pids)
     assert [b.tolist() for b in it] == EXPECTED  # ... making a whole, correct epoch
     del it, ring
@@ -108,14 +97,14 @@ def _del_loader_without_gc(loader_holder: list, pids) -> None:
 def test_normal_epoch_end(reuse):
     loader = _plain_loader(reuse)
     it = iter(loader)
-    pids = it._pool.pids
-    assert len(pids) == NW and all(fd.pid_alive(p) for p in pids)
+    pids = debug_view(it).worker_pids
+    assert len(pids) == NW and all(pid_alive(p) for p in pids)
     assert [b.tolist() for b in it] == EXPECTED
-    assert it._shutdown
-    assert loader._iterator is None  # not persistent: the loader keeps no iterator
+    assert debug_view(it).shut_down
+    assert debug_view(loader).iterator is None  # not persistent: the loader keeps no iterator
     if not reuse:
         # StopIteration stopped the pool and reaped the workers: no waiting needed.
-        assert not any(fd.pid_alive(p) for p in pids)
+        assert not any(pid_alive(p) for p in pids)
     del it
     _after_iterator_end(loader, pids, reuse)
     holder = [loader]
@@ -124,14 +113,15 @@ def test_normal_epoch_end(reuse):
 
 
 @pytest.mark.parametrize("reuse", POOL_MODES)
+@pytest.mark.heavy
 def test_break_then_del_without_gc(reuse):
     loader = _plain_loader(reuse)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     for b in it:
         assert b.tolist() == [0, 1]
         break
-    assert all(fd.pid_alive(p) for p in pids)
+    assert all(pid_alive(p) for p in pids)
     gc.disable()  # dropping the last reference must be enough, as with DataLoader
     try:
         del it, b
@@ -147,7 +137,7 @@ def _train(loader, pids_out):
     for k, batch in enumerate(loader):
         if k == 0:
             # the workers (a pool's zygote, their parent, is checked by no_leaks)
-            it_pids = [p.pid for p in _children()
+            it_pids = [p.pid for p in children()
                        if not ("fastload zygote" in " ".join(p.cmdline())
                                and p.ppid() == os.getpid())]
             pids_out.extend(it_pids)
@@ -176,11 +166,11 @@ def test_exception_in_training_loop(reuse):
 def test_persistent_workers_loader_deleted():
     loader = _plain_loader(persistent_workers=True)
     assert [b.tolist() for b in loader] == EXPECTED
-    it = loader._iterator
-    pids = it._pool.pids
-    assert all(fd.pid_alive(p) for p in pids), "persistent workers died between epochs"
+    it = loader._iterator  # DataLoader's own: the iterator it keeps for persistent workers
+    pids = debug_view(it).worker_pids
+    assert all(pid_alive(p) for p in pids), "persistent workers died between epochs"
     assert [b.tolist() for b in loader] == EXPECTED
-    assert loader._iterator is it and it._pool.pids == pids  # the same workers
+    assert loader._iterator is it and debug_view(it).worker_pids == pids  # the same workers
     del it, loader
     gc.collect()
     _assert_no_workers(pids)
@@ -188,17 +178,20 @@ def test_persistent_workers_loader_deleted():
 
 def test_persistent_workers_stop_on_del_without_gc():
     for cls in (DataLoader, FastLoader):
-        loader = cls(fd.Plain(10), batch_size=2, num_workers=NW, persistent_workers=True)
+        loader = cls(Plain(10), batch_size=2, num_workers=NW, persistent_workers=True)
         if [b.tolist() for b in loader] != EXPECTED:
             pytest.fail(f"{cls.__name__}: wrong batches")
         it = loader._iterator
-        pids = [w.pid for w in it._workers] if cls is DataLoader else list(it._pool.pids)
+        if cls is DataLoader:
+            pids = [w.pid for w in it._workers]
+        else:
+            pids = list(debug_view(it).worker_pids)
         del it
         gc.collect()
         gc.disable()
         try:
             del loader
-            left = fd.wait_pids_gone(pids, timeout=1.5)
+            left = wait_pids_gone(pids, timeout=1.5)
         finally:
             gc.enable()
             gc.collect()  # let the xfail case clean up
@@ -213,12 +206,13 @@ def test_persistent_workers_stop_on_del_without_gc():
 def test_held_batches_outlive_the_iterator(reuse):
     width = 4096
     kw = {"reuse_workers": reuse} if REUSE_SUPPORTED else {}
-    loader = FastLoader(fd.BigRows(16, width), batch_size=2, num_workers=NW, **kw)
+    loader = FastLoader(Plain(16, width=width), batch_size=2, num_workers=NW, **kw)
     it = iter(loader)
-    pids = it._pool.pids
-    region = it._ring.payload_region()
-    lo, hi = region.address, region.address + len(region)
-    del region
+    view = debug_view(it)
+    pids = view.worker_pids
+    lo, length = view.ring.payload_span()
+    hi = lo + length
+    del view
     # more than held_batches: the first ones view the ring, later ones are copies
     held = [next(it) for _ in range(loader.held_batches + 1)]
     assert lo <= held[0].data_ptr() < hi, "expected a zero-copy batch viewing the ring"
@@ -227,7 +221,7 @@ def test_held_batches_outlive_the_iterator(reuse):
     gc.collect()
     if reuse:
         # A whole new epoch in the same ring, while the loop still holds the old batches.
-        assert all(fd.pid_alive(p) for p in pids)
+        assert all(pid_alive(p) for p in pids)
         again = [b.clone() for b in loader]
         assert len(again) == 8 and all(torch.equal(a, w) for a, w in zip(again, want))
     else:
@@ -260,28 +254,31 @@ _SCRIPT = textwrap.dedent(
     """
     import os, sys, time
     sys.path.insert(0, {tests_dir!r})
-    import faulty_datasets as fd
     from fastload import FastLoader
+    from fastload.debug import debug_view
+    from support.datasets import Plain
+    from support.faults import Misbehave
 
     loader = FastLoader({dataset}, batch_size=1, num_workers=2,
                         multiprocessing_context=os.environ.get("FL_TEST_CONTEXT") or None)
     it = iter(loader)
-    print("PIDS", *it._pool.pids, flush=True)
-    print("BACKEND", it._ring.backend, flush=True)
+    view = debug_view(it)
+    print("PIDS", *view.worker_pids, flush=True)
+    print("BACKEND", view.ring.backend, flush=True)
     for i, batch in enumerate(it):
         if i == 0:
             # every worker has reached its loop (spawn start-up is over)
-            while not all(it._ring.worker_pid(w) > 0 for w in range(2)):
+            while not all(view.ring.worker_pid(w) > 0 for w in range(2)):
                 time.sleep(0.01)
             print("RUNNING", flush=True)
     """
 )
 
 
-BUSY = "fd.Plain(10_000, delay=0.05)"  # workers always have work in hand
+BUSY = "Plain(10_000, delay=0.05)"  # workers always have work in hand
 # index 3 (worker 1's second task) takes a minute: the loop waits for it, and
 # worker 1 is inside __getitem__ (only its parent watcher can notice anything)
-STUCK = "fd.SleepOn(10_000, bad=3, seconds=60)"
+STUCK = "Misbehave(10_000, {3: 'sleep'}, seconds=60)"
 
 
 class _Script:
@@ -337,7 +334,7 @@ class _Script:
     def close(self) -> None:
         """Last-resort clean-up of what this test started, by pid."""
         for pid in [self.pid, *self.worker_pids]:
-            if fd.pid_alive(pid):
+            if pid_alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -367,7 +364,7 @@ def script():
 def _shm_of(pids) -> set:
     """/dev/shm entries whose name carries one of ``pids`` (fastload-<pid>-*, torch_<pid>_*)."""
     out = set()
-    for name in _shm():
+    for name in shm_entries():
         for pid in pids:
             if name.startswith((f"fastload-{pid}-", f"torch_{pid}_")):
                 out.add(name)
@@ -386,15 +383,16 @@ def _check_interrupted(s: _Script) -> str:
     assert s.proc.returncode != 0
     assert "Traceback (most recent call last)" in err
     assert "KeyboardInterrupt" in err, err
-    assert fd.wait_pids_gone(s.worker_pids, timeout=5) == []
+    assert wait_pids_gone(s.worker_pids, timeout=5) == []
     return err
 
 
+@pytest.mark.heavy
 def test_keyboard_interrupt_in_subprocess(script):
     s = script()
     s.start_loader()
     s.read_until("RUNNING")
-    assert all(fd.pid_alive(p) for p in s.worker_pids)
+    assert all(pid_alive(p) for p in s.worker_pids)
     _ctrl_c(s)
     err = _check_interrupted(s)
     assert err.rstrip().endswith("KeyboardInterrupt"), err
@@ -403,6 +401,7 @@ def test_keyboard_interrupt_in_subprocess(script):
     assert "did not stop" not in err, err
 
 
+@pytest.mark.heavy
 def test_keyboard_interrupt_while_workers_start(script):
     s = script()
     s.start_loader()
@@ -422,6 +421,7 @@ def test_keyboard_interrupt_while_workers_start(script):
     ids=["memfd-busy-workers", "posix_shm-worker-stuck-in-getitem",
          "forkserver-worker-stuck-in-getitem"],
 )
+@pytest.mark.heavy
 def test_main_process_sigkilled(script, segment, dataset, context):
     env = dict(os.environ)
     if segment == "posix_shm":  # the fallback that has a name in /dev/shm
@@ -434,12 +434,12 @@ def test_main_process_sigkilled(script, segment, dataset, context):
     assert s.read_until("BACKEND") == [segment]
     s.read_until("RUNNING")
     pids = s.worker_pids
-    assert all(fd.pid_alive(p) for p in pids)
+    assert all(pid_alive(p) for p in pids)
     os.kill(s.pid, signal.SIGKILL)
     t0 = time.monotonic()
     s.proc.wait(timeout=HANG_S)
     # Orphaned workers notice the death of their parent on their own.
-    left = fd.wait_pids_gone(pids, timeout=HANG_S)
+    left = wait_pids_gone(pids, timeout=HANG_S)
     took = time.monotonic() - t0
     assert left == [], f"workers survived their main process: {left}"
     assert took < HANG_S
@@ -456,17 +456,17 @@ def test_main_process_sigkilled(script, segment, dataset, context):
 def test_persistent_worker_killed_between_epochs():
     loader = _plain_loader(persistent_workers=True)
     assert [b.tolist() for b in loader] == EXPECTED
-    it = loader._iterator
-    pids = it._pool.pids
+    it = loader._iterator  # DataLoader's own: the iterator it keeps for persistent workers
+    pids = debug_view(it).worker_pids
     os.kill(pids[1], signal.SIGKILL)
-    assert fd.wait_pids_gone([pids[1]], timeout=5) == []
+    assert wait_pids_gone([pids[1]], timeout=5) == []
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=KILLED_RE) as info:
         for _ in loader:
             pass
     assert time.monotonic() - t0 < HANG_S
     assert str(pids[1]) in str(info.value)
-    assert it._shutdown
+    assert debug_view(it).shut_down
     del info
     _assert_no_workers(pids)
     del it, loader
@@ -474,22 +474,23 @@ def test_persistent_worker_killed_between_epochs():
 
 
 @pytest.mark.skipif(not REUSE_SUPPORTED, reason="this fastload has no reuse_workers option")
+@pytest.mark.heavy
 def test_reused_worker_killed_between_epochs():
     # Not persistent, but the loader keeps its workers warm: losing one while
     # idle may be reported (like persistent workers) or repaired with a new
     # pool; it must never hang or hand out a wrong epoch.
     loader = _plain_loader(reuse=True)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     assert [b.tolist() for b in it] == EXPECTED
     del it
     os.kill(pids[1], signal.SIGKILL)
-    assert fd.wait_pids_gone([pids[1]], timeout=5) == []
+    assert wait_pids_gone([pids[1]], timeout=5) == []
     t0 = time.monotonic()
     new_pids: tuple = ()
     try:
         it = iter(loader)
-        new_pids = it._pool.pids
+        new_pids = debug_view(it).worker_pids
         got = [b.tolist() for b in it]
     except RuntimeError as e:
         assert re.search(KILLED_RE, str(e)), str(e)
@@ -533,10 +534,11 @@ def test_forkserver_start_method(forkserver_running, monkeypatch):
     _check_start_method("forkserver", monkeypatch)
 
 
+@pytest.mark.heavy
 def test_forkserver_epoch_longer_than_the_parent_check(forkserver_running):
     # A worker's parent is the forkserver, not this process: a worker that
     # took that for the death of its main process quit after about a second.
-    ds = fd.Plain(40, delay=0.1)
+    ds = Plain(40, delay=0.1)
     loader = FastLoader(ds, batch_size=2, num_workers=NW, multiprocessing_context="forkserver")
     got = [b.tolist() for b in loader]
     assert got == [b.tolist() for b in DataLoader(ds, batch_size=2)]
@@ -544,17 +546,17 @@ def test_forkserver_epoch_longer_than_the_parent_check(forkserver_running):
 
 def _check_start_method(method, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    ds = fd.EnvProbe(8)
+    ds = EnvProbe(8)
     want = _probe_rows(DataLoader(ds, batch_size=2, num_workers=NW))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, multiprocessing_context=method)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     rows = _probe_rows(list(it))
     del it, loader
     keys = ("index", "worker_id", "num_workers", "has_info", "threads")
     assert [tuple(r[k] for k in keys) for r in rows] == [tuple(r[k] for k in keys) for r in want]
     assert {r["pid"] for r in rows} == set(pids)
-    assert all(r[v] == "" for r in rows for v in fd.ACCEL_VARS)
+    assert all(r[v] == "" for r in rows for v in ACCEL_VARS)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     _assert_no_workers(pids)
 
@@ -569,12 +571,13 @@ def test_worker_environment(allow_gpu, monkeypatch):
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
     monkeypatch.delenv("ROCR_VISIBLE_DEVICES", raising=False)
     parent_env = dict(os.environ)
-    loader = FastLoader(fd.EnvProbe(8), batch_size=2, num_workers=NW,
+    loader = FastLoader(EnvProbe(8), batch_size=2, num_workers=NW,
                         allow_gpu_in_workers=allow_gpu)
     it = iter(loader)
     assert dict(os.environ) == parent_env
-    pids = it._pool.pids
-    base_seed = it._base_seed
+    view = debug_view(it)
+    pids, base_seed = view.worker_pids, view.base_seed
+    del view
     rows = _probe_rows(list(it))
     del it, loader
     assert dict(os.environ) == parent_env
@@ -583,9 +586,9 @@ def test_worker_environment(allow_gpu, monkeypatch):
     for r in rows:
         if allow_gpu:
             assert (r["CUDA_VISIBLE_DEVICES"], r["HIP_VISIBLE_DEVICES"],
-                    r["ROCR_VISIBLE_DEVICES"]) == ("0", "1", fd.UNSET)
+                    r["ROCR_VISIBLE_DEVICES"]) == ("0", "1", UNSET)
         else:
-            assert all(r[v] == "" for v in fd.ACCEL_VARS), r
+            assert all(r[v] == "" for v in ACCEL_VARS), r
         assert r["threads"] == 1
         assert r["has_info"] and r["info_dataset_is_probe"]
         assert r["num_workers"] == NW

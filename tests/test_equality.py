@@ -5,8 +5,8 @@ structure.
 DataLoader runs with its platform default start method (fork on Linux: fast);
 FastLoader spawns. Seeding does not depend on the start method: both draw the
 workers' base seed from the same generator, so even randomness drawn inside
-workers must match. Datasets and collate functions live in ``eq_datasets`` so
-spawned workers can import them.
+workers must match. Datasets and collate functions live in ``support.equality``
+so spawned workers can import them.
 
 Every FastLoader iterator starts worker processes (a second or two each), so
 each test is built to need as few iterators as possible.
@@ -18,7 +18,6 @@ import gc
 import multiprocessing
 import os
 from collections import Counter
-from multiprocessing import resource_tracker
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -30,16 +29,10 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-import eq_datasets as eqd
 from fastload import FastLoader
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker_running():
-    """Spawning the first process starts multiprocessing's resource tracker,
-    whose pipe stays open in this process for good; start it before the
-    per-test leak check takes its snapshot of open fds."""
-    resource_tracker.ensure_running()
+from fastload.debug import debug_view
+from support import equality as eqd
+from support.equality import assert_epochs_same, assert_same
 
 
 too_many_workers_ok = pytest.mark.filterwarnings(
@@ -50,56 +43,6 @@ too_many_workers_ok = pytest.mark.filterwarnings(
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Recursive equality of two batches: types, structure, dtypes, shapes, values."""
-    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
-        assert a.layout == b.layout, f"{path}: layout {a.layout} != {b.layout}"
-        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
-        if a.layout != torch.strided:
-            a, b = a.to_dense(), b.to_dense()
-        assert torch.equal(a.detach(), b.detach()), f"{path}: values differ:\n{a}\n!=\n{b}"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
-        assert np.array_equal(a, b), f"{path}: values differ:\n{a}\n!=\n{b}"
-        assert a.flags.writeable == b.flags.writeable, f"{path}: writeable flag differs"
-    elif isinstance(a, np.generic):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a == b, f"{path}: {a!r} != {b!r}"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, tuple) and hasattr(a, "_fields"):  # namedtuple
-        assert a._fields == b._fields, f"{path}: fields {a._fields} != {b._fields}"
-        for k, x, y in zip(a._fields, a, b):
-            assert_same(x, y, f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):  # includes torch.Size
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(
-        a, (str, bytes, bytearray, bool, int, float, complex, type(None), frozenset, set, torch.dtype)
-    ):
-        assert a == b, f"{path}: {a!r} != {b!r}"
-    elif hasattr(a, "__dict__"):  # custom objects: their attributes
-        assert_same(vars(a), vars(b), f"{path}.__dict__")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def assert_epochs_same(got: List[List[Any]], expected: List[List[Any]]) -> None:
-    assert len(got) == len(expected)
-    for e, (g, x) in enumerate(zip(got, expected)):
-        assert len(g) == len(x), f"epoch {e}: {len(g)} batches != {len(x)}"
-        for i, (gb, xb) in enumerate(zip(g, x)):
-            assert_same(gb, xb, f"epoch {e} batch {i}")
-
-
 KwargsFn = Callable[[], Dict[str, Any]]
 
 
@@ -352,6 +295,7 @@ def test_persistent_workers_three_epochs():
     assert not torch.equal(got[0][0]["torch"], got[1][0]["torch"])
 
 
+@pytest.mark.heavy
 def test_persistent_workers_epochs_left_early():
     """``break`` out of epochs of a persistent loader, then run full epochs:
     the next epoch must wait out and free what the previous one left in
@@ -398,6 +342,7 @@ def test_persistent_workers_iterable_epochs():
 # ---------------------------------------------------------------------------
 # IterableDataset
 # ---------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_iterable_even_shards_exact_order():
     """Equal shards: round-robin over workers gives one possible order."""
     got = compare(
@@ -407,6 +352,7 @@ def test_iterable_even_shards_exact_order():
     assert [len(b["i"]) for b in got[0]] == [3, 3, 3, 3, 1, 1]
 
 
+@pytest.mark.heavy
 def test_iterable_uneven_shards_same_multiset():
     """Unequal shards: the same batches; each worker's own batches in order."""
 
@@ -458,6 +404,7 @@ def test_iterable_sharded_by_worker_init_fn():
     [(None, None), (1 << 20, None), (1 << 20, "mixed")],
     ids=["default-slot", "overflow", "overflow-mixed"],
 )
+@pytest.mark.heavy
 def test_large_samples(slot_bytes, collate):
     """~20 MB samples, 2 per batch: 40 MB batches fit fastload's default slot;
     with 1 MiB slots they go through the overflow segment; the mixed collate
@@ -478,6 +425,7 @@ def test_large_samples(slot_bytes, collate):
         assert b.shape == (2, 5_000_000) and b[1, 1].item() == 1.0 and b[1, 997].item() == -1.0
 
 
+@pytest.mark.heavy
 def test_empty_numpy_array_with_overflow():
     def check() -> None:
         compare(
@@ -552,6 +500,7 @@ def take_epochs_left_early(cls: type, ds: Any, extra: Dict[str, Any]) -> List[An
     return out
 
 
+@pytest.mark.heavy
 def test_epochs_left_early_then_full():
     """Every new iterator behaves like a fresh DataLoader one, whatever the
     previous iterator left in flight."""
@@ -577,6 +526,7 @@ def overflow_fds() -> Dict[int, str]:
     return out
 
 
+@pytest.mark.heavy
 def test_overflow_batches_left_early(tmp_path):
     """1 MiB slots: every batch goes through an overflow segment. Batch 1 is
     ready before batch 0 (sample 0 waits for it), so when the first iterator is
@@ -606,6 +556,7 @@ def test_overflow_batches_left_early(tmp_path):
     assert not leaked, f"overflow segments left open: {leaked}"
 
 
+@pytest.mark.heavy
 def test_two_iterators_alive_at_once():
     """Two iterators of one loader, consumed interleaved: independent, each
     seeded from the generator when it is made, as with DataLoader."""
@@ -648,6 +599,7 @@ def test_dataset_changed_between_epochs():
     assert sum(len(b["idx"]) for b in got[1]) == 6
 
 
+@pytest.mark.heavy
 def test_tensor_kept_by_dataset_in_worker():
     """A dataset that builds items with default_collate and caches them: the
     second visit of an index must return the same values as the first."""
@@ -751,6 +703,7 @@ class _Big(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("prefetch_factor", [1, 2, 3])
+@pytest.mark.heavy
 def test_batches_keep_to_fewest_slots(prefetch_factor: int) -> None:
     """A slot's pages stay committed once a batch was written there, so the
     ring's memory is the number of distinct slots batches used. A loop that
@@ -769,7 +722,7 @@ def test_batches_keep_to_fewest_slots(prefetch_factor: int) -> None:
                 n += 1
             assert n == 16
         del b
-        ring = loader._iterator._ring
+        ring = debug_view(loader).iterator.ring
         used = os.fstat(ring.fd).st_blocks * 512
         need = 2 * prefetch_factor + (1 if prefetch_factor > 1 else 2)
         assert ring.num_slots > need
@@ -789,8 +742,9 @@ def test_loop_stopping_after_len_batches_keeps_the_pool_warm():
     for _ in range(3):
         it = iter(loader)
         assert [next(it).tolist() for _ in range(len(loader))] == want
-        assert loader._idle_pool is not None
-        ring = ring or loader._idle_pool.ring
-        assert loader._idle_pool.ring is ring  # the same warm pool (its workers fresh each epoch)
+        idle = debug_view(loader).idle_pool
+        assert idle is not None
+        ring = ring or idle.ring
+        assert idle.ring == ring  # the same warm pool (its workers fresh each epoch)
     assert list(it) == []
     del ring

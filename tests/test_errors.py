@@ -12,45 +12,23 @@ import os
 import re
 import signal
 import time
-import traceback
-from multiprocessing import resource_tracker
 
 import pytest
 from torch.utils.data import DataLoader, Sampler
 
-from conftest import _children, wait_no_children
 from fastload import FastLoader
-
-import faulty_datasets as fd
-
-NW = 2  # the CI machine has 2 cores
-HANG_S = 10.0  # anything slower than this is a hang, not a slow machine
-KILLED_RE = r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker_running():
-    # Starting the first spawn worker of the session starts multiprocessing's
-    # resource tracker, whose pipe stays open in this process for good: start
-    # it before no_leaks takes its fd snapshot.
-    resource_tracker.ensure_running()
-
-
-def _exc_text(exc: BaseException) -> str:
-    """str(exc) plus any PEP 678 notes."""
-    return "".join(traceback.format_exception_only(type(exc), exc))
-
-
-def _worker_no(msg: str) -> str:
-    m = re.search(r"in DataLoader worker process (\d+)", msg)
-    assert m, msg
-    return m.group(1)
+from fastload.debug import debug_view
+from support import HANG_S, KILLED_RE, NW
+from support.datasets import Empty, Plain
+from support.faults import Holds, LockInBatch, Misbehave, RaisingCollate, failing_worker_init
+from support.outcomes import exc_text, outcomes, shape_of, worker_no
+from support.processes import children, wait_no_children, wait_pids_gone
 
 
 def _assert_shut_down(it, pids) -> None:
     """The iterator has stopped its pool: no worker runs, next() does not hang."""
-    assert it._shutdown
-    assert fd.wait_pids_gone(pids, timeout=5) == []
+    assert debug_view(it).shut_down
+    assert wait_pids_gone(pids, timeout=5) == []
     t0 = time.monotonic()
     # What a dead iterator raises is not DataLoader's business (it keeps going
     # with the survivors); it must only neither hang nor hand out data.
@@ -62,7 +40,7 @@ def _assert_shut_down(it, pids) -> None:
 # ---------------------------------------------------------------------------
 # exceptions raised by the dataset
 
-MIXED_ERRORS = {3: "value", 6: "key", 11: "weird"}
+MIXED_ERRORS = {3: "raise-value", 6: "raise-key", 11: "raise-weird"}
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +49,12 @@ def mixed_results():
 
     The FastLoader keeps its workers for a second epoch (same results expected).
     """
-    ds = fd.RaiseOn(16, MIXED_ERRORS)
-    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW))
+    ds = Misbehave(16, MIXED_ERRORS)
+    dl = outcomes(DataLoader(ds, batch_size=2, num_workers=NW))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, persistent_workers=True)
-    fl = fd.outcomes(loader)
-    fl2 = fd.outcomes(loader)
-    loader._iterator._shutdown_workers()
+    fl = outcomes(loader)
+    fl2 = outcomes(loader)
+    loader._iterator._shutdown_workers()  # DataLoader's persistent iterator, and its own method
     del loader
     assert wait_no_children() == []
     return dl, fl, fl2
@@ -89,18 +67,18 @@ def _errors(results):
 def test_dataset_errors_resume_like_dataloader(mixed_results):
     dl, fl, _ = mixed_results
     # 8 batches; batches 1, 3 and 5 raise; every other batch still arrives, in order.
-    assert fd.shape_of(dl) == [
+    assert shape_of(dl) == [
         [0, 1], ValueError, [4, 5], KeyError, [8, 9], RuntimeError, [12, 13], [14, 15]
     ]
-    assert fd.shape_of(fl) == fd.shape_of(dl)
+    assert shape_of(fl) == shape_of(dl)
 
 
 def test_dataset_errors_second_epoch_of_persistent_workers(mixed_results):
     _, fl, fl2 = mixed_results
-    assert fd.shape_of(fl2) == fd.shape_of(fl)
+    assert shape_of(fl2) == shape_of(fl)
     for (_, t1, m1, _), (_, t2, m2, _) in zip(_errors(fl).values(), _errors(fl2).values()):
         assert t1 is t2
-        assert _worker_no(m1) == _worker_no(m2)
+        assert worker_no(m1) == worker_no(m2)
 
 
 def test_dataset_error_message(mixed_results):
@@ -108,11 +86,11 @@ def test_dataset_error_message(mixed_results):
     _, typ, msg, _ = fl[1]
     assert typ is ValueError
     assert msg.startswith("Caught ValueError in DataLoader worker process ")
-    assert _worker_no(msg) == _worker_no(dl[1][2])
+    assert worker_no(msg) == worker_no(dl[1][2])
     assert "bad sample 3" in msg
     # the worker's traceback, down to the line that raised
     assert "Original Traceback (most recent call last):" in msg
-    assert "faulty_datasets.py" in msg and "in __getitem__" in msg
+    assert "support/faults.py" in msg and "in __getitem__" in msg
     assert "raise make_error(kind, i)" in msg
     # the samples that made the batch
     assert "[2, 3]" in msg
@@ -130,7 +108,7 @@ def test_keyerror_message_like_dataloader(mixed_results):
     assert "\n" in msg and "\\n" not in msg  # readable, not repr()'d
     assert "missing key for sample 6" in msg
     assert "[6, 7]" in msg
-    assert _worker_no(msg) == _worker_no(dl_msg)
+    assert worker_no(msg) == worker_no(dl_msg)
 
 
 def test_unconstructible_exception_becomes_runtime_error(mixed_results):
@@ -143,17 +121,17 @@ def test_unconstructible_exception_becomes_runtime_error(mixed_results):
 
 
 def test_collate_error_resumes_like_dataloader():
-    ds = fd.Plain(10)
-    collate = fd.RaisingCollate(5)
-    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
-    fl = fd.outcomes(FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
-    assert fd.shape_of(dl) == [[0, 1], [2, 3], ValueError, [6, 7], [8, 9]]
-    assert fd.shape_of(fl) == fd.shape_of(dl)
+    ds = Plain(10)
+    collate = RaisingCollate(5)
+    dl = outcomes(DataLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
+    fl = outcomes(FastLoader(ds, batch_size=2, num_workers=NW, collate_fn=collate))
+    assert shape_of(dl) == [[0, 1], [2, 3], ValueError, [6, 7], [8, 9]]
+    assert shape_of(fl) == shape_of(dl)
     msg = fl[2][2]
     assert msg.startswith("Caught ValueError in DataLoader worker process ")
-    assert _worker_no(msg) == _worker_no(dl[2][2])
+    assert worker_no(msg) == worker_no(dl[2][2])
     assert "collate refuses batch with 5" in msg
-    assert "in __call__" in msg and "faulty_datasets.py" in msg
+    assert "in __call__" in msg and "support/faults.py" in msg
     assert "[4, 5]" in msg
 
 
@@ -182,7 +160,7 @@ def test_sampler_error_arrives_with_the_same_batch(prefetch_factor):
     def run(cls):
         got = []
         with pytest.raises(ValueError, match="sampler broke at 7"):
-            for b in cls(fd.Plain(10), sampler=_BreakingSampler(10, 7), batch_size=1,
+            for b in cls(Plain(10), sampler=_BreakingSampler(10, 7), batch_size=1,
                          num_workers=NW, prefetch_factor=prefetch_factor):
                 got.append(b.tolist())
         return got
@@ -193,11 +171,11 @@ def test_sampler_error_arrives_with_the_same_batch(prefetch_factor):
 
 
 def test_worker_init_fn_error_on_first_batch():
-    ds = fd.Plain(8)
-    dl = fd.outcomes(DataLoader(ds, batch_size=2, num_workers=NW,
-                                worker_init_fn=fd.failing_worker_init))
-    fl = fd.outcomes(FastLoader(ds, batch_size=2, num_workers=NW,
-                                worker_init_fn=fd.failing_worker_init))
+    ds = Plain(8)
+    dl = outcomes(DataLoader(ds, batch_size=2, num_workers=NW,
+                                worker_init_fn=failing_worker_init))
+    fl = outcomes(FastLoader(ds, batch_size=2, num_workers=NW,
+                                worker_init_fn=failing_worker_init))
     # DataLoader: every batch fails, the first one per worker with the
     # init_fn's error (later ones with a torch quirk), then StopIteration.
     assert len(fl) == len(dl) == 4
@@ -249,9 +227,9 @@ def _is_prefix(got, full):
 
 
 def test_worker_sigkills_itself():
-    loader = FastLoader(fd.KillSelfOn(16, bad=4), batch_size=2, num_workers=NW)
+    loader = FastLoader(Misbehave(16, {4: "kill"}), batch_size=2, num_workers=NW)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     got, err, took = _run_until_error(it)
     # index 4 is in batch 2, which worker 0 makes; nothing after it arrives.
     assert _is_prefix(got, [[0, 1], [2, 3]]), got
@@ -266,9 +244,9 @@ def test_worker_sigkills_itself():
 
 
 def test_worker_sigkilled_by_main_process():
-    loader = FastLoader(fd.Plain(64, delay=0.05), batch_size=2, num_workers=NW)
+    loader = FastLoader(Plain(64, delay=0.05), batch_size=2, num_workers=NW)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     assert next(it).tolist() == [0, 1]
     os.kill(pids[0], signal.SIGKILL)
     t0 = time.monotonic()
@@ -286,9 +264,9 @@ def test_worker_sigkilled_by_main_process():
 
 
 EXITS = {
-    "os._exit(3)": (fd.HardExitOn(16, bad=4, code=3), 3),
+    "os._exit(3)": (Misbehave(16, {4: "exit"}, code=3), 3),
     # SystemExit is not an Exception: the worker's loop does not catch it.
-    "sys.exit(0)": (fd.SysExitOn(16, bad=4, code=0), 0),
+    "sys.exit(0)": (Misbehave(16, {4: "sys-exit"}, code=0), 0),
 }
 
 
@@ -298,7 +276,7 @@ def worker_exit(request):
     dataset, code = EXITS[request.param]
     loader = FastLoader(dataset, batch_size=2, num_workers=NW)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     got, err, took = _run_until_error(it)
     assert isinstance(err, RuntimeError), repr(err)
     text = str(err)
@@ -332,16 +310,18 @@ def test_worker_exit_message_is_readable(worker_exit):
 def _wait_workers_started(it, timeout: float = 30.0) -> None:
     """Until every worker has reached its loop (spawn start-up is not what we time)."""
     deadline = time.monotonic() + timeout
-    while not all(it._ring.worker_pid(w) > 0 for w in range(it._num_workers)):
+    view = debug_view(it)
+    while not all(view.ring.worker_pid(w) > 0 for w in range(view.num_workers)):
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.02)
 
 
+@pytest.mark.heavy
 def test_timeout():
-    loader = FastLoader(fd.SleepOn(8, bad=4, seconds=5), batch_size=2, num_workers=NW,
+    loader = FastLoader(Misbehave(8, {4: "sleep"}, seconds=5), batch_size=2, num_workers=NW,
                         timeout=1)
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     _wait_workers_started(it)
     got = [next(it).tolist(), next(it).tolist()]
     assert got == [[0, 1], [2, 3]]
@@ -361,9 +341,9 @@ def test_unpicklable_batch():
     # A batch holding a lock (made by the collate_fn), then one holding a
     # generator (a sample). DataLoader hangs on these (its queue's feeder
     # thread drops the batch); fastload names the batch and goes on.
-    loader = FastLoader(fd.GeneratorOn(10, bad=5), batch_size=2, num_workers=NW,
-                        collate_fn=fd.LockInBatch(3))
-    results = fd.outcomes(loader)
+    loader = FastLoader(Misbehave(10, {5: "generator"}), batch_size=2, num_workers=NW,
+                        collate_fn=LockInBatch(3))
+    results = outcomes(loader)
     assert [r[0] for r in results] == ["ok", "err", "err", "ok", "ok"]
     for k, what, worker in [(1, "_thread.lock", 1), (2, "generator", 0)]:
         _, typ, msg, _ = results[k]
@@ -378,30 +358,30 @@ def test_unpicklable_batch():
 
 
 def test_unpicklable_dataset_fails_at_iter():
-    ds = fd.HoldsLock(8)
+    ds = Holds(8, "lock")
     loader = FastLoader(ds, batch_size=2, num_workers=NW)
     t0 = time.monotonic()
     with pytest.raises(TypeError) as info:
         iter(loader)
     assert time.monotonic() - t0 < HANG_S
-    text = _exc_text(info.value)
+    text = exc_text(info.value)
     assert "cannot pickle" in text
     assert "dataset" in text
     assert "lock" in text
     # no worker was started (only the zygote the loader started ahead,
     # which ends with the loader)
-    assert [c.pid for c in _children()] == [z.pid for z in loader._spare_zygote]
+    assert [c.pid for c in children()] == list(debug_view(loader).spare_zygote_pids)
 
 
 def test_socket_in_dataset_is_shared_as_dataloader_shares_it():
     # multiprocessing's reducers pass a socket's fd to the worker (what
     # DataLoader's spawned workers get too; forked ones inherit it).
-    ds = fd.HoldsSocket(8)
+    ds = Holds(8, "socket")
     try:
         got = [b.tolist() for b in FastLoader(ds, batch_size=2, num_workers=NW)]
         assert got == [b.tolist() for b in DataLoader(ds, batch_size=2, num_workers=NW)]
     finally:
-        ds.close()
+        ds.drop_cause()
 
 
 # ---------------------------------------------------------------------------
@@ -409,8 +389,8 @@ def test_socket_in_dataset_is_shared_as_dataloader_shares_it():
 
 
 def test_empty_dataset():
-    dl = DataLoader(fd.Empty(), batch_size=2, num_workers=NW)
-    fl = FastLoader(fd.Empty(), batch_size=2, num_workers=NW)
+    dl = DataLoader(Empty(), batch_size=2, num_workers=NW)
+    fl = FastLoader(Empty(), batch_size=2, num_workers=NW)
     assert len(fl) == len(dl) == 0
     for loader in (dl, fl):
         it = iter(loader)

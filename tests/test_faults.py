@@ -1,7 +1,7 @@
 """Seeded fault injection with real worker processes.
 
 A scenario runs several epochs of a deterministic map-style dataset
-(``fault_datasets.Pattern``: ``dataset[i]`` is a function of ``i``) through a
+(``support.faults.Pattern``: ``dataset[i]`` is a function of ``i``) through a
 FastLoader with two workers, and injects faults into some epochs at points
 drawn from a seeded ``random.Random``:
 
@@ -69,15 +69,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import _children, _fds, _shm, wait_no_children
 from fastload import FastLoader, WorkerHangError
-from fault_datasets import WIDTH, InjectedFault, Pattern, sample
+from fastload.debug import debug_view
+from fastload.loader import STATE_ATTR
+from support import NW
+from support.faults import WIDTH, InjectedFault, Pattern, sample
+from support.processes import children, open_fds, shm_entries, wait_no_children, wait_pids_gone
 
 SEED = int(os.environ.get("FASTLOAD_FAULT_SEED", "20240611"))
 SOAK_MINUTES = float(os.environ.get("FASTLOAD_SOAK_MINUTES", "0") or 0)
 REPORT_PATH = os.environ.get("FASTLOAD_FAULT_REPORT") or None
 
-NW = 2  # the CI machine has 2 cores
 HT = 1.5  # hang_timeout of every scenario
 DELAY_S = 0.01  # per sample: workers stay busy while the test consumes at full speed
 # Bounds from injection to the exception (or the restart), generous for a
@@ -298,22 +300,6 @@ def _our_child(pid: int) -> bool:
         return False
 
 
-def _pid_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_pids_gone(pids: List[int], timeout: float = 10.0) -> List[int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if _pid_running(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
 def _indices(batch: torch.Tensor) -> List[int]:
     return [int(x) for x in batch[:, 0]]
 
@@ -365,7 +351,7 @@ class _Injector:
         f = self.fault
         if f is None or self.t_inject is not None:
             return
-        pids = list(it._pool.pids)
+        pids = list(debug_view(it).worker_pids)
         pid = pids[f.victim]
         assert _our_child(pid), f"{self.sc} worker {f.victim} (pid {pid}) is not ours"
         if f.kind == "kill":
@@ -403,13 +389,14 @@ class _Injector:
         ``patience`` seconds; the caller tries again after the next batch)."""
         assert self.fault is not None
         give_up = time.monotonic() + patience
+        ring = debug_view(it).ring
         while True:
             os.kill(pid, signal.SIGSTOP)
             deadline = time.monotonic() + 2.0
             while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
                 assert time.monotonic() < deadline, f"{self.sc}: pid {pid} does not stop"
                 time.sleep(0.001)
-            if it._ring.worker_current_seq(self.fault.victim) is not None:
+            if ring.worker_current_seq(self.fault.victim) is not None:
                 return True
             os.kill(pid, signal.SIGCONT)
             if time.monotonic() > give_up:
@@ -488,7 +475,7 @@ class _Rescue(threading.Thread):
             if not self.killed and now - self.t0 > SCENARIO_LIMIT_S:
                 self.killed = True
                 inj.resume_all()
-                for kid in _children():  # this test's descendants, but multiprocessing's helpers
+                for kid in children():  # this test's descendants, but multiprocessing's helpers
                     try:
                         kid.kill()
                     except psutil.NoSuchProcess:
@@ -705,7 +692,7 @@ def _check_raise_epoch(ep: _Epoch, mode: str) -> None:
     if not (wno and rwno and wno.group(1) == rwno.group(1)):
         raise ep.fail(f"message {msg!r}; DataLoader's: {rmsg!r}")
     if f"injected fault at index {i}" not in msg or "Original Traceback" not in msg \
-            or "fault_datasets.py" not in msg:
+            or "support/faults.py" not in msg:
         raise ep.fail(f"the message lacks the index or the worker's traceback: {msg}")
     missing = tuple(sorted(set(range(ep.sc.n))
                            - {j for r in ref if r[0] == "ok" for j in _indices(r[1])}))
@@ -763,7 +750,7 @@ def _check_restart_epoch(ep: _Epoch) -> None:
         if not hung or f"(pid {inj.victim_pid})" not in hung[0]:
             raise ep.fail(f"no 'hung on' warning naming pid {inj.victim_pid}: {ep.logs}")
     assert inj.victim_pid is not None
-    if _wait_pids_gone([inj.victim_pid], 5.0):
+    if wait_pids_gone([inj.victim_pid], 5.0):
         raise ep.fail(f"the replaced worker (pid {inj.victim_pid}) still runs")
 
 
@@ -812,7 +799,7 @@ def _check_fatal_epoch(ep: _Epoch, it: Any) -> None:
         raise ep.fail(f"{typ.__name__} came {took:.2f} s after the fault (bound {bound} s): "
                       f"{msg[:300]}")
     # The epoch is over: its workers are gone and later next() calls repeat the error.
-    left = _wait_pids_gone(inj.pool_pids, 5.0)
+    left = wait_pids_gone(inj.pool_pids, 5.0)
     if left:
         raise ep.fail(f"workers {left} still run after the error")
     t = time.monotonic()
@@ -886,8 +873,9 @@ def _run_scenario(sc: Scenario, ctl: Path, failures: Dict[str, List[str]], soft:
             fatal = (RuntimeError,) if dies and mode == "default" else ()
             log_mark = len(logs.items)
             if fault is not None and fault.before_session:
-                assert fault.batch == -1 and loader._idle_pool is not None, sc
-                inj.hold(loader._idle_pool.pids[fault.victim])
+                idle = debug_view(loader).idle_pool
+                assert fault.batch == -1 and idle is not None, sc
+                inj.hold(idle.pids[fault.victim])
             it = iter(loader)
 
             def on_batch(k: int) -> None:
@@ -970,8 +958,10 @@ def _run_scenario(sc: Scenario, ctl: Path, failures: Dict[str, List[str]], soft:
             # loader's own clean-up, when it is dropped, is what is checked.)
             if it is not None and hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
-            if getattr(loader, "_idle_pool", None) is not None:
-                loader._idle_pool.shutdown()
+            # The warm pool too (stopping, not looking: past the debug view).
+            state = getattr(loader, STATE_ATTR, None)
+            if state is not None and state.idle_pool is not None:
+                state.idle_pool.shutdown()
         it = None
         loader = None
         gc.collect()
@@ -986,7 +976,7 @@ def _leaks(sc: Scenario, fds_before: set, shm_before: set) -> List[str]:
     deadline = time.monotonic() + 5
     while True:
         gc.collect()
-        fds = {fd for fd in _fds() - fds_before if os.path.exists(f"/proc/self/fd/{fd}")}
+        fds = {fd for fd in open_fds() - fds_before if os.path.exists(f"/proc/self/fd/{fd}")}
         if not fds or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -999,7 +989,7 @@ def _leaks(sc: Scenario, fds_before: set, shm_before: set) -> List[str]:
                 pass
         if targets:
             out.append(f"{sc}: fds left open: {targets}")
-    shm = _shm() - shm_before
+    shm = shm_entries() - shm_before
     if shm:
         out.append(f"{sc}: /dev/shm entries left: {shm}")
     return out
@@ -1011,7 +1001,7 @@ def _leaks(sc: Scenario, fds_before: set, shm_before: set) -> List[str]:
 
 def _run_chain(mode: str, ctl: Path) -> Dict[str, List[str]]:
     sc = draw_chain(random.Random(f"{SEED}-chain-{mode}"), mode)
-    fds_before, shm_before = _fds(), _shm()
+    fds_before, shm_before = open_fds(), shm_entries()
     failures = run_scenario(sc, ctl, soft=True)
     failures["leaks"] = _leaks(sc, fds_before, shm_before)
     STATS.failed.extend(failures["leaks"])
@@ -1029,12 +1019,14 @@ def default_chain(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[st
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.heavy
 def test_restart_mode(restart_chain: Dict[str, List[str]], kind: str) -> None:
     """max_worker_restarts=2: the faulty epoch is whole, as DataLoader's."""
     assert not restart_chain[kind], "\n\n".join(restart_chain[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.heavy
 def test_default_mode(default_chain: Dict[str, List[str]], kind: str) -> None:
     """max_worker_restarts=0: the right error, in time (slow: none)."""
     assert not default_chain[kind], "\n\n".join(default_chain[kind])
@@ -1048,6 +1040,7 @@ def test_chain_clean_epochs_and_no_leaks(request: pytest.FixtureRequest, mode: s
     assert not problems, "\n\n".join(problems)
 
 
+@pytest.mark.heavy
 def test_stop_of_an_idle_worker(tmp_path: Path) -> None:
     """The training loop is slower than the workers, so a worker waits for its
     next task when it is stopped; the tasks the loop then sends it are never
@@ -1068,6 +1061,7 @@ def test_stop_of_an_idle_worker(tmp_path: Path) -> None:
     run_scenario(sc, tmp_path / "ctl")
 
 
+@pytest.mark.heavy
 def test_kill_before_the_worker_took_its_session(tmp_path: Path) -> None:
     """Restart mode: a worker that dies before it read the session the pool
     sent it at iter() (the dataset's fd: here a reused pool's worker is
@@ -1087,7 +1081,7 @@ def test_soak(tmp_path: Path) -> None:
     """Random scenarios for FASTLOAD_SOAK_MINUTES; every failed check is kept
     (the soak goes on) and all are reported at the end, grouped by fault kind."""
     deadline = time.monotonic() + SOAK_MINUTES * 60
-    fds_before, shm_before = _fds(), _shm()
+    fds_before, shm_before = open_fds(), shm_entries()
     failures: Dict[str, List[str]] = defaultdict(list)
     i = 0
     while time.monotonic() < deadline:
@@ -1101,7 +1095,7 @@ def test_soak(tmp_path: Path) -> None:
         if leaks:
             failures["leaks"] += leaks
             STATS.failed.extend(leaks)
-            fds_before, shm_before = _fds(), _shm()  # report each leak once
+            fds_before, shm_before = open_fds(), shm_entries()  # report each leak once
         i += 1
     summary = {k: len(v) for k, v in failures.items() if v}
     print(f"soak: {i} scenarios, {STATS.epochs} epochs, faults {dict(STATS.faults)}, "

@@ -25,12 +25,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.dataloader import (_MultiProcessingDataLoaderIter,
                                          _SingleProcessDataLoaderIter)
 
-import eq_datasets as eq
 import fastload
 from fastload import FastLoader
 from fastload.iterator import FastLoaderIter
+from fastload.debug import debug_view
 from fastload.loader import STATE_ATTR
-from test_equality import assert_same
+from support import equality as eq
+from support.equality import assert_same
 
 NW = 2
 PYTHON_DIR = Path(fastload.__file__).resolve().parent.parent  # what holds fastload/
@@ -81,6 +82,7 @@ class TaggingLoader(DataLoader):
 
 
 # ---- a plain DataLoader ------------------------------------------------------
+@pytest.mark.heavy
 def test_plain_dataloader_runs_on_fastload_with_the_same_batches(caplog):
     want = list(make())
     fastload.install()
@@ -103,13 +105,13 @@ def test_warm_pool_kept_between_epochs():
     fastload.install()
     loader = make()
     it = iter(loader)
-    pids = it._pool.pids
+    pids = debug_view(it).worker_pids
     first = list(it)
     del it
-    pool = getattr(loader, STATE_ATTR).idle_pool
+    pool = debug_view(loader).idle_pool
     assert pool is not None and pool.pids == pids  # kept warm, not shut down
     it = iter(loader)
-    assert it._pool is pool
+    assert debug_view(it).pool.ring == pool.ring  # the same pool
     second = list(it)
     assert_batches(first, ref[0])
     assert_batches(second, ref[1])
@@ -133,6 +135,7 @@ def test_num_workers_0_is_left_to_dataloader():
     assert STATE_ATTR not in loader.__dict__
 
 
+@pytest.mark.heavy
 def test_uninstall_restores_dataloader_s_iterator():
     loader = make()
     fastload.install()
@@ -180,24 +183,28 @@ def test_install_twice_is_one_install_with_the_latest_options():
     fastload.install(hang_timeout=9, held_batches=2, max_worker_restarts=1)
     assert DataLoader.__dict__["_get_iterator"] is hook
     it = iter(make())
-    assert (it._hang_timeout, it._held_batches, it._supervisor.restarts_left) == (9, 2, 1)
+    view = debug_view(it)
+    assert (view.hang_timeout, view.held_batches, view.restarts_left) == (9, 2, 1)
     del it
     fastload.uninstall()  # one uninstall undoes both
     assert DataLoader.__dict__["_get_iterator"] is ORIGINAL_GET_ITERATOR
 
 
+@pytest.mark.heavy
 def test_install_options_reach_the_iterator():
     loader = make()
     fastload.install(hang_timeout=7.5, held_batches=2, slot_bytes=1 << 20, reuse_workers=False)
     it = iter(loader)
-    assert (it._hang_timeout, it._held_batches, it._ring.slot_bytes) == (7.5, 2, 1 << 20)
+    view = debug_view(it)
+    assert (view.hang_timeout, view.held_batches, view.ring.slot_bytes) == (7.5, 2, 1 << 20)
     assert_batches(list(it), list(make()))
     del it
-    assert getattr(loader, STATE_ATTR).idle_pool is None  # reuse_workers=False
+    assert debug_view(loader).idle_pool is None  # reuse_workers=False
     # A later install() applies from the loader's next iterator.
     fastload.install(hang_timeout=None)
     it = iter(loader)
-    assert it._hang_timeout is None and it._held_batches == 4
+    view = debug_view(it)
+    assert view.hang_timeout is None and view.held_batches == 4
 
 
 @pytest.mark.parametrize("kwargs", [dict(held_batches=0), dict(hang_timeout=-1),
@@ -218,11 +225,12 @@ def test_unknown_option_is_a_type_error_naming_it():
     assert not fastload.installed()
 
 
+@pytest.mark.heavy
 def test_fastloader_keeps_its_own_options():
     fastload.install(hang_timeout=7.5)
     loader = make(cls=FastLoader, hang_timeout=5)
     it = iter(loader)
-    assert it._hang_timeout == 5
+    assert debug_view(it).hang_timeout == 5
     assert_batches(list(it), list(make(cls=FastLoader)))
 
 
@@ -248,6 +256,7 @@ class _RepeatSampler:
             yield from iter(self.sampler)
 
 
+@pytest.mark.heavy
 def test_subclass_defined_after_install_that_calls_get_iterator_itself():
     fastload.install()
 

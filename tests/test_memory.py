@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import mem_datasets
 from fastload import FastLoader
+from fastload.debug import debug_view
+from support.datasets import ManyPaths, int_collate
 
 OUTLIER = 5
 BIG = 48 << 20  # bytes of the outlier sample; the others are 64 KiB
@@ -42,10 +43,12 @@ def test_an_outlier_batch_s_pages_are_given_back_at_the_next_epoch(persistent: b
     try:
         seen = [b[0, 0].item() for b in loader]
         assert seen == [float(i) for i in range(12)]
-        ring = loader._iterator._ring if persistent else loader._idle_pool.ring
+        view = debug_view(loader)
+        ring = view.iterator.ring if persistent else view.idle_pool.ring
+        del view
         assert _allocated(ring) >= BIG  # the outlier's slot kept its pages
         it = iter(loader)  # the next epoch starts
-        assert it._ring is ring  # the same (warm or persistent) ring
+        assert debug_view(it).ring == ring  # the same (warm or persistent) ring
         assert _allocated(ring) < BIG // 4
         assert [b[0, 0].item() for b in it] == seen  # and the epoch is whole
         del it, ring
@@ -62,7 +65,7 @@ def test_normal_batches_keep_their_slots() -> None:
     try:
         for _ in loader:
             pass
-        ring = loader._iterator._ring
+        ring = debug_view(loader).iterator.ring
         before = _allocated(ring)
         for _ in loader:
             pass
@@ -112,17 +115,17 @@ def test_workers_share_the_dataset_as_forked_dataloader_workers_do() -> None:
     """Workers forked from a zygote that unpickled the dataset share its
     pages, as DataLoader's forked workers share the training process's; a
     spawned DataLoader worker pays a copy of torch and of the dataset."""
-    ds = mem_datasets.ManyPaths(1_500_000)
-    kw = dict(batch_size=50_000, num_workers=3, collate_fn=mem_datasets.to_tensor)
+    ds = ManyPaths(1_500_000)
+    kw = dict(batch_size=50_000, num_workers=3, collate_fn=int_collate)
     dl_pids = lambda it: [w.pid for w in it._workers]  # noqa: E731
     fork = _summary(_epoch_memory(DataLoader(ds, multiprocessing_context="fork", **kw), dl_pids))
     spawn = _summary(_epoch_memory(DataLoader(ds, multiprocessing_context="spawn", **kw), dl_pids))
     loader = FastLoader(ds, **kw)
     try:
-        fl_pids = lambda it: list(it._pool.pids)  # noqa: E731
+        fl_pids = lambda it: list(debug_view(it).worker_pids)  # noqa: E731
         first = _summary(_epoch_memory(loader, fl_pids))
         second = _summary(_epoch_memory(loader, fl_pids))  # the warm pool, fresh workers
-        zygote = loader._idle_pool._zygote.pid
+        zygote = debug_view(loader).idle_pool.zygote_pid
         zygote_pss = _memory([zygote])[0][0]
     finally:
         del loader

@@ -272,6 +272,7 @@ def test_nested_tensors_arrive_as_with_dataloader(kwargs):
 
 
 @pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+@pytest.mark.heavy
 def test_nested_tensors_outlive_their_batch():
     """Nested tensors kept while the rest of their batch is dropped and the
     ring goes round several times: their buffers stay theirs."""
@@ -282,6 +283,7 @@ def test_nested_tensors_outlive_their_batch():
 
 
 @pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+@pytest.mark.heavy
 def test_nested_tensors_from_pytorchs_test():
     """PyTorch's own case: a list of 1-element nested tensors, batch_size=1,
     a collate_fn that clones (2 workers where PyTorch has 4, which warns on
@@ -358,6 +360,7 @@ def _writes_show(tensors: List[torch.Tensor]) -> List[List[bool]]:
 
 @pytest.mark.parametrize("collate", ["no-batching", "identity-collate"])
 @pytest.mark.parametrize("order", ["view-then-table", "table-then-view", "overlapping-views"])
+@pytest.mark.heavy
 def test_shared_memory_within_a_batch_as_with_dataloader(order, collate):
     kwargs = dict(batch_size=None) if collate == "no-batching" else dict(batch_size=2,
                                                                          collate_fn=identity)
@@ -413,6 +416,7 @@ class GradSamples(Dataset):
         return t if self.leaf else t * 2
 
 
+@pytest.mark.heavy
 def test_tensors_that_require_grad():
     """A leaf arrives as with DataLoader: a leaf that requires grad. A
     non-leaf: DataLoader's worker sends with torch's tensor reduction, which

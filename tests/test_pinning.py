@@ -23,13 +23,19 @@ from torch.utils.data import DataLoader
 
 import fastload
 from fastload import FastLoader
+from fastload.debug import debug_view
 from fastload.device import DevicePrefetcher, move_to
 from fastload.pinning import ReleaseGate
-
-from pin_datasets import FailsAt, GrowingRows, IndexedRows
+from support.datasets import GrowingRows, Plain
+from support.faults import Misbehave
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
+
+
+def rows(n: int, width: int = 4096) -> Plain:
+    """Sample i: a float32 row of ``width`` filled with i (content checkable from the index)."""
+    return Plain(n, width=width, dtype=torch.float32)
 
 
 # ---- a fake asynchronous device --------------------------------------------
@@ -197,10 +203,11 @@ def run_async_loop(loader: FastLoader, runtime: FakeRuntime, lag: int) -> Tuple[
     return seen, errors
 
 
+@pytest.mark.heavy
 def test_pinned_batches_are_views_of_registered_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
-    ds = IndexedRows(n=64, width=4096)  # 64 KiB per batch of 4
+    ds = rows(64, 4096)  # 64 KiB per batch of 4
     loader = pinned_loader(runtime, ds)
     ring_ptrs = []
     for batch in loader:
@@ -217,10 +224,11 @@ def test_pinned_batches_are_views_of_registered_slots(monkeypatch: pytest.Monkey
     assert runtime.registered == {}, "the ring was not unregistered when the loader ended"
 
 
+@pytest.mark.heavy
 def test_slot_waits_for_copies_before_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
-    ds = IndexedRows(n=400, width=1024)
+    ds = rows(400, 1024)
     seen, errors = run_async_loop(pinned_loader(runtime, ds, batch_size=2), runtime, lag=3)
     assert errors == []
     assert seen == list(range(400))
@@ -231,12 +239,13 @@ def test_control_lying_events_let_workers_overwrite(monkeypatch: pytest.MonkeyPa
     slots are reused under the pending copies and they read other batches."""
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime(honest_events=False)
-    ds = IndexedRows(n=400, width=1024)
+    ds = rows(400, 1024)
     seen, errors = run_async_loop(pinned_loader(runtime, ds, batch_size=2), runtime, lag=3)
     assert seen == list(range(400))
     assert errors, "lying events should have let a worker overwrite a slot under a copy"
 
 
+@pytest.mark.heavy
 def test_registration_grows_with_the_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
@@ -254,11 +263,12 @@ def test_registration_grows_with_the_batches(monkeypatch: pytest.MonkeyPatch) ->
     assert runtime.registered == {}
 
 
+@pytest.mark.heavy
 def test_registration_failure_falls_back_to_copies(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime(fail_register=True)
-    ds = IndexedRows(n=48, width=64)
+    ds = rows(48, 64)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         got = list(pinned_loader(runtime, ds))
         got2 = list(pinned_loader(runtime, ds))
@@ -270,11 +280,12 @@ def test_registration_failure_falls_back_to_copies(monkeypatch: pytest.MonkeyPat
     assert "copied into pinned memory" in warnings[0].getMessage()
 
 
+@pytest.mark.heavy
 def test_slots_registered_before_a_failure_stay_gated(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime(fail_after=2)
-    ds = IndexedRows(n=400, width=1024)
+    ds = rows(400, 1024)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         seen, errors = run_async_loop(pinned_loader(runtime, ds, batch_size=2), runtime, lag=3)
     assert errors == [] and seen == list(range(400))
@@ -282,11 +293,12 @@ def test_slots_registered_before_a_failure_stay_gated(monkeypatch: pytest.Monkey
     assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.heavy
 def test_registration_outlives_the_loader_while_batches_live(
         monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
     runtime = FakeRuntime()
-    loader = pinned_loader(runtime, IndexedRows(n=32, width=1024))
+    loader = pinned_loader(runtime, rows(32, 1024))
     kept = [b for i, b in enumerate(loader) if i >= 6]  # the last two of 8
     del loader
     gc.collect()
@@ -298,9 +310,10 @@ def test_registration_outlives_the_loader_while_batches_live(
     assert runtime.registered == {}
 
 
+@pytest.mark.heavy
 def test_pinned_warm_pool_and_persistent_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeAccelerator(monkeypatch)
-    ds = IndexedRows(n=40, width=256)
+    ds = rows(40, 256)
     expected = list(DataLoader(ds, batch_size=4))
     for persistent in (False, True):
         runtime = FakeRuntime()
@@ -345,7 +358,7 @@ def prefetch_loader(ops: FakeOps, dataset: Any, **kw: Any) -> FastLoader:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_device_prefetch_runs_one_batch_ahead(num_workers: int) -> None:
     ops = FakeOps()
-    ds = IndexedRows(n=40, width=8)
+    ds = rows(40, 8)
     it = iter(prefetch_loader(ops, ds, num_workers=num_workers))
     first = next(it)
     assert ops.log == ["copy", "copy", "hand_over"]  # batch 1 already on its way
@@ -356,8 +369,9 @@ def test_device_prefetch_runs_one_batch_ahead(num_workers: int) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.heavy
 def test_device_prefetch_errors_arrive_with_their_batch(num_workers: int) -> None:
-    ds = FailsAt(bad=13)  # batch 3 of 10
+    ds = Misbehave(40, {13: "raise"}, width=16, dtype=torch.float32)  # batch 3 of 10
     def run(loader: Any) -> List[Any]:
         out: List[Any] = []
         it = iter(loader)
@@ -374,9 +388,10 @@ def test_device_prefetch_errors_arrive_with_their_batch(num_workers: int) -> Non
     assert got == expected and expected[3] == "ValueError" and len(expected) == 10
 
 
+@pytest.mark.heavy
 def test_device_prefetch_persistent_workers_and_break() -> None:
     ops = FakeOps()
-    ds = IndexedRows(n=24, width=4)
+    ds = rows(24, 4)
     loader = prefetch_loader(ops, ds, num_workers=2, persistent_workers=True)
     for i, _ in enumerate(loader):
         if i == 1:
@@ -389,7 +404,7 @@ def test_device_prefetch_persistent_workers_and_break() -> None:
 
 
 def test_device_cpu_is_a_no_op() -> None:
-    ds = IndexedRows(n=20, width=4)
+    ds = rows(20, 4)
     for nw in (0, 2):
         got = list(FastLoader(ds, batch_size=4, num_workers=nw, device="cpu"))
         assert all(torch.equal(a, b) for a, b in zip(got, DataLoader(ds, batch_size=4)))
@@ -397,7 +412,7 @@ def test_device_cpu_is_a_no_op() -> None:
 
 
 def test_device_option_errors() -> None:
-    ds = IndexedRows(n=4)
+    ds = rows(4)
     with pytest.raises(ValueError, match="device option should be"):
         FastLoader(ds, device="not-a-device")
     if not HAS_CUDA:
@@ -417,7 +432,7 @@ def test_move_to_keeps_structure() -> None:
 
 
 def test_import_does_not_initialise_an_accelerator() -> None:
-    list(FastLoader(IndexedRows(n=8), batch_size=4, num_workers=2, pin_memory=False))
+    list(FastLoader(rows(8), batch_size=4, num_workers=2, pin_memory=False))
     assert not torch.cuda.is_initialized()
 
 
@@ -425,21 +440,22 @@ def test_import_does_not_initialise_an_accelerator() -> None:
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA or ROCm device")
 def test_gpu_batches_are_pinned_in_place() -> None:
-    loader = FastLoader(IndexedRows(n=64, width=4096), batch_size=4, num_workers=2,
+    loader = FastLoader(rows(64, 4096), batch_size=4, num_workers=2,
                         pin_memory=True)
     for batch in loader:
         assert batch.is_pinned()
-    pinner = loader._idle_pool.pinner  # the warm pool kept after the epoch
-    if pinner.failed is None:  # registration worked: batches were views of the ring
-        assert pinner.registered_bytes() > 0
+    pool = debug_view(loader).idle_pool  # the warm pool kept after the epoch
+    assert pool is not None and pool.pinned
+    if pool.pin_failed is None:  # registration worked: batches were views of the ring
+        assert pool.pinned_bytes > 0
     else:  # it failed (some ROCm versions): the batches were pinned copies
-        pytest.xfail(f"host registration failed here, copies were pinned: {pinner.failed}")
+        pytest.xfail(f"host registration failed here, copies were pinned: {pool.pin_failed}")
 
 
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA or ROCm device")
 def test_gpu_non_blocking_copies_never_read_a_reused_slot() -> None:
-    ds = IndexedRows(n=512, width=1 << 16)
+    ds = rows(512, 1 << 16)
     outs = []
     for batch in FastLoader(ds, batch_size=8, num_workers=2, pin_memory=True):
         torch.cuda._sleep(2_000_000)  # keep the stream busy so the copy really lags
@@ -454,7 +470,7 @@ def test_gpu_non_blocking_copies_never_read_a_reused_slot() -> None:
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA or ROCm device")
 def test_gpu_device_prefetch() -> None:
-    ds = IndexedRows(n=256, width=1 << 14)
+    ds = rows(256, 1 << 14)
     got = []
     for batch in FastLoader(ds, batch_size=8, num_workers=2, device="cuda"):
         assert batch.device.type == "cuda"

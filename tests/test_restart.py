@@ -11,19 +11,23 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastload import FastLoader
-from faulty_datasets import FailOnceOn, RaiseOn
+from support.faults import Misbehave
 
 
 def _reference(ds, **kw):
     return [b.clone() for b in DataLoader(ds, num_workers=0, **kw)]
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
+@pytest.mark.parametrize("how", ["kill", "sleep"], ids=["kill", "hang"])
+@pytest.mark.heavy
 def test_epoch_survives_a_dead_or_hung_worker(tmp_path, caplog, how: str) -> None:
-    ds = FailOnceOn(40, bad=13, marker=os.fspath(tmp_path / "failed"), how=how)
+    # The first worker to reach index 13 dies or hangs (sleeps a minute);
+    # its replacement gets through.
+    ds = Misbehave(40, {13: how}, once=os.fspath(tmp_path / "failed"), width=3,
+                   dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
     loader = FastLoader(ds, batch_size=4, shuffle=True, generator=g, num_workers=2,
-                        max_worker_restarts=1, hang_timeout=1.5 if how == "hang" else 300)
+                        max_worker_restarts=1, hang_timeout=1.5 if how == "sleep" else 300)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         got = [b.clone() for b in loader]
     expected = _reference(ds, batch_size=4, shuffle=True,
@@ -39,15 +43,17 @@ def test_epoch_survives_a_dead_or_hung_worker(tmp_path, caplog, how: str) -> Non
     assert len(list(loader)) == 10
 
 
+@pytest.mark.heavy
 def test_restarts_are_limited(tmp_path) -> None:
-    ds = FailOnceOn(16, bad=5, marker=os.fspath(tmp_path / "failed"))
+    ds = Misbehave(16, {5: "kill"}, once=os.fspath(tmp_path / "failed"))
     loader = FastLoader(ds, batch_size=2, num_workers=2, max_worker_restarts=0)
     with pytest.raises(RuntimeError, match=r"is killed by signal: Killed"):
         list(loader)
 
 
+@pytest.mark.heavy
 def test_dataset_exceptions_are_not_retried() -> None:
-    loader = FastLoader(RaiseOn(8, {3: "value"}), batch_size=2, num_workers=2,
+    loader = FastLoader(Misbehave(8, {3: "raise"}), batch_size=2, num_workers=2,
                         max_worker_restarts=3)
     it = iter(loader)
     next(it)
@@ -59,4 +65,4 @@ def test_dataset_exceptions_are_not_retried() -> None:
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None])
 def test_bad_max_worker_restarts_is_rejected(bad: object) -> None:
     with pytest.raises(ValueError, match="max_worker_restarts"):
-        FastLoader(RaiseOn(4, {}), num_workers=1, max_worker_restarts=bad)  # type: ignore[arg-type]
+        FastLoader(Misbehave(4, {}), num_workers=1, max_worker_restarts=bad)  # type: ignore[arg-type]

@@ -161,17 +161,20 @@ def _set_global_generators(states: tuple) -> None:
 
 @pytest.mark.parametrize("nw", [0, 1, 3])
 @pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.heavy
 def test_map_style_mid_epoch(nw: int, persistent: bool) -> None:
     _check_resume(lambda: _make(Augmented(40), nw, persistent_workers=persistent), 0, 5)
 
 
 @pytest.mark.parametrize("nw", [0, 3])
 @pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.heavy
 def test_iterable_mid_epoch(nw: int, persistent: bool) -> None:
     _check_resume(lambda: _make(Stream(40), nw, persistent_workers=persistent), 0, 6)
 
 
 @pytest.mark.parametrize("where", ["first", "last", "after-stop"])
+@pytest.mark.heavy
 def test_resume_points(where: str) -> None:
     make = lambda: _make(Augmented(20), 2, prefetch_factor=3)  # noqa: E731
     n = 7  # batches per epoch
@@ -179,6 +182,7 @@ def test_resume_points(where: str) -> None:
     _check_resume(make, 0, stop, exhaust=where == "after-stop")
 
 
+@pytest.mark.heavy
 def test_second_epoch_of_persistent_workers() -> None:
     """Workers' generators carry over epochs: the state is that of the second epoch."""
     _check_resume(lambda: _make(Augmented(24), 2, persistent_workers=True), 1, 3)
@@ -198,6 +202,7 @@ def test_a_replica_seen_ending_with_a_batch_undelivered() -> None:
     _check_resume(lambda: _make(Stream(25), 3, prefetch_factor=3), 0, 7)
 
 
+@pytest.mark.heavy
 def test_stateful_iterable_dataset_is_loaded_not_fast_forwarded() -> None:
     _check_resume(lambda: _make(StatefulStream(30), 2), 0, 4)
     loader = _make(StatefulStream(30), 2)
@@ -208,6 +213,7 @@ def test_stateful_iterable_dataset_is_loaded_not_fast_forwarded() -> None:
 
 
 @pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.heavy
 def test_resumed_epoch_does_not_depend_on_the_global_generator(nw: int) -> None:
     """A resumed epoch's values come from the saved state, whatever the
     resuming process's global generator holds; and a resumed iter() draws
@@ -239,6 +245,7 @@ def test_resumed_epoch_does_not_depend_on_the_global_generator(nw: int) -> None:
         assert _epoch(it) == full[3:]
 
 
+@pytest.mark.heavy
 def test_in_order_false_delivers_the_rest_as_a_multiset() -> None:
     torch.manual_seed(0)
     make = lambda: _make(Augmented(60), 3, in_order=False, prefetch_factor=2)  # noqa: E731
@@ -254,6 +261,7 @@ def test_in_order_false_delivers_the_rest_as_a_multiset() -> None:
     assert sorted(row[0] for b in head + rest for row in b) == full
 
 
+@pytest.mark.heavy
 def test_sampler_with_generator_and_distributed_sampler() -> None:
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     _check_resume(lambda: _make(Augmented(30), 2, generator=g()), 0, 4)
@@ -290,11 +298,13 @@ class CountingBatchSampler(Sampler):
         self.epoch = sd["epoch"]
 
 
+@pytest.mark.heavy
 def test_batch_sampler_with_state_dict_is_used() -> None:
     _check_resume(lambda: FastLoader(Augmented(32), num_workers=2,
                                      batch_sampler=CountingBatchSampler(32)), 1, 3)
 
 
+@pytest.mark.heavy
 def test_state_is_small_and_plain() -> None:
     loader = _make(Augmented(10_000), 3, prefetch_factor=4, batch_size=8)
     it = iter(loader)
@@ -306,6 +316,7 @@ def test_state_is_small_and_plain() -> None:
     _roundtrip(sd)
 
 
+@pytest.mark.heavy
 def test_incompatible_states_are_refused() -> None:
     loader = _make(Augmented(30), 2)
     it = iter(loader)
@@ -353,6 +364,7 @@ class KillOnce(Augmented):
         return super().__getitem__(i)
 
 
+@pytest.mark.heavy
 def test_a_restarted_worker_makes_the_same_batches(tmp_path) -> None:
     """A worker killed mid-epoch is replaced with the generators of the dead
     one after its last finished batch: the epoch equals the undisturbed one."""
@@ -370,6 +382,7 @@ def test_a_restarted_worker_makes_the_same_batches(tmp_path) -> None:
     assert disturbed == calm
 
 
+@pytest.mark.heavy
 def test_resume_after_a_restart(tmp_path) -> None:
     marker = os.fspath(tmp_path / "killed")
     torch.manual_seed(0)
@@ -389,6 +402,7 @@ def test_resume_after_a_restart(tmp_path) -> None:
     assert head + _epoch(resumed) == calm
 
 
+@pytest.mark.heavy
 def test_state_loaded_in_a_new_process(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import sys, torch
@@ -414,6 +428,7 @@ def test_state_loaded_in_a_new_process(tmp_path) -> None:
     assert rest.strip() == str(expected)
 
 
+@pytest.mark.heavy
 def test_state_dict_before_iter_and_a_fresh_epoch() -> None:
     """A state saved before any iter() (or between epochs) starts a fresh epoch."""
     torch.manual_seed(0)
@@ -442,6 +457,7 @@ def test_resume_matrix(kind: str, nw: int, persistent: bool, prefetch: int) -> N
 
 
 @pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.heavy
 def test_resume_before_the_first_batch(nw: int) -> None:
     """A state saved right after iter(), before any batch: the whole epoch,
     in the saved order, whatever the resuming process's generator holds."""

@@ -56,12 +56,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.heavy
 def test_fastload_runs_40mb_batches_in_a_64mb_dev_shm() -> None:
     r = _run_in_small_shm("fastload")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "EPOCH OK" in r.stdout
 
 
+@pytest.mark.heavy
 def test_dataloader_fails_the_same_run() -> None:
     # The contrast the feature exists for; if torch ever passes this, the
     # README's claim needs a look.

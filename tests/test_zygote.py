@@ -1,4 +1,5 @@
-"""The default start method: workers forked from a per-pool zygote (DESIGN decision 2)."""
+"""The default start method: workers forked from a per-pool zygote
+(docs/design.md, "Starting workers")."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import faulty_datasets as fd
 from fastload import FastLoader
-
-NW = 2
+from fastload.debug import debug_view
+from support import NW
+from support.datasets import ACCEL_VARS, EnvProbe, Plain
+from support.faults import Misbehave, UnpicklesWith
+from support.processes import pid_alive, wait_pids_gone
 
 
 def _rows(batches):
@@ -23,12 +26,13 @@ def _rows(batches):
             for b in batches for j in range(len(b["index"]))]
 
 
+@pytest.mark.heavy
 def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    loader = FastLoader(fd.EnvProbe(8), batch_size=2, num_workers=NW)
+    loader = FastLoader(EnvProbe(8), batch_size=2, num_workers=NW)
     it = iter(loader)
-    pool = it._pool
-    zygote_pid = pool._zygote.pid
+    pool = debug_view(it).pool
+    zygote_pid = pool.zygote_pid
     assert zygote_pid is not None and zygote_pid != os.getpid()
     zygote = psutil.Process(zygote_pid)
     assert zygote.ppid() == os.getpid()
@@ -39,74 +43,79 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     for pid in pool.pids:
         assert psutil.Process(pid).ppid() == zygote_pid
     rows = _rows(list(it))
-    want = _rows(DataLoader(fd.EnvProbe(8), batch_size=2, num_workers=NW))
+    want = _rows(DataLoader(EnvProbe(8), batch_size=2, num_workers=NW))
     keys = ("index", "worker_id", "num_workers", "has_info", "threads")
     assert [tuple(r[k] for k in keys) for r in rows] == [tuple(r[k] for k in keys) for r in want]
-    assert all(r[v] == "" for r in rows for v in fd.ACCEL_VARS)
+    assert all(r[v] == "" for r in rows for v in ACCEL_VARS)
     # The warm pool keeps its zygote; both end with the loader.
     pids = pool.pids
     del it, pool
-    assert fd.pid_alive(zygote_pid)
+    assert pid_alive(zygote_pid)
     del loader
     gc.collect()
-    assert fd.wait_pids_gone([zygote_pid, *pids], timeout=10) == []
+    assert wait_pids_gone([zygote_pid, *pids], timeout=10) == []
 
 
+@pytest.mark.heavy
 def test_explicit_spawn_is_real_spawn():
-    loader = FastLoader(fd.EnvProbe(4), batch_size=2, num_workers=NW,
+    loader = FastLoader(EnvProbe(4), batch_size=2, num_workers=NW,
                         multiprocessing_context="spawn")
     it = iter(loader)
-    assert it._pool._zygote is None
-    for pid in it._pool.pids:
+    pool = debug_view(it).pool
+    assert pool.zygote_pid is None
+    for pid in pool.pids:
         assert psutil.Process(pid).ppid() == os.getpid()
     assert [r["index"] for r in _rows(list(it))] == list(range(4))
 
 
 def test_allow_gpu_in_workers_zygote_keeps_the_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    loader = FastLoader(fd.EnvProbe(4), batch_size=2, num_workers=NW, allow_gpu_in_workers=True)
+    loader = FastLoader(EnvProbe(4), batch_size=2, num_workers=NW, allow_gpu_in_workers=True)
     it = iter(loader)
-    assert psutil.Process(it._pool._zygote.pid).environ()["CUDA_VISIBLE_DEVICES"] == "0"
+    assert psutil.Process(debug_view(it).pool.zygote_pid).environ()["CUDA_VISIBLE_DEVICES"] == "0"
     assert {r["CUDA_VISIBLE_DEVICES"] for r in _rows(list(it))} == {"0"}
 
 
+@pytest.mark.heavy
 def test_zygote_killed_is_an_error_not_a_hang():
     # The zygote is only needed to start workers: losing it mid-epoch does
     # not stop the epoch; a restart that needs it gets a clear error.
-    loader = FastLoader(fd.Plain(40, delay=0.02), batch_size=2, num_workers=NW,
+    loader = FastLoader(Plain(40, delay=0.02), batch_size=2, num_workers=NW,
                         max_worker_restarts=1)
     it = iter(loader)
     first = next(it)
-    os.kill(it._pool._zygote.pid, signal.SIGKILL)
+    os.kill(debug_view(it).pool.zygote_pid, signal.SIGKILL)
     rest = list(it)
     assert [b.tolist() for b in [first] + rest] == [b.tolist() for b in
-                                                    DataLoader(fd.Plain(40), batch_size=2)]
+                                                    DataLoader(Plain(40), batch_size=2)]
 
 
+@pytest.mark.heavy
 def test_worker_dies_after_its_zygote():
     # With the zygote gone, a worker's exit status is lost but its death is
     # still seen (through its pidfd); a restart starts a new zygote.
-    ds = fd.Plain(60, delay=0.02)
+    ds = Plain(60, delay=0.02)
     want = [b.tolist() for b in DataLoader(ds, batch_size=2)]
     loader = FastLoader(ds, batch_size=2, num_workers=NW, max_worker_restarts=1)
     it = iter(loader)
     got = [next(it).tolist()]
-    old_zygote = it._pool._zygote.pid
+    old_zygote = debug_view(it).pool.zygote_pid
     os.kill(old_zygote, signal.SIGKILL)
     got.append(next(it).tolist())
-    victim = it._pool.pids[1]
+    victim = debug_view(it).worker_pids[1]
     os.kill(victim, signal.SIGKILL)
     got += [b.tolist() for b in it]
     assert got == want
-    new_zygote = loader._idle_pool._zygote.pid
-    assert new_zygote not in (None, old_zygote)
-    assert victim not in loader._idle_pool.pids
+    idle = debug_view(loader).idle_pool
+    assert idle.zygote_pid not in (None, old_zygote)
+    assert victim not in idle.pids
 
     loader = FastLoader(ds, batch_size=2, num_workers=NW)  # no restarts: the error
     it = iter(loader)
     next(it)
-    os.kill(it._pool._zygote.pid, signal.SIGKILL)
-    victim = it._pool.pids[0]
+    view = debug_view(it)
+    os.kill(view.pool.zygote_pid, signal.SIGKILL)
+    victim = view.worker_pids[0]
     os.kill(victim, signal.SIGKILL)
     with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {victim}\) exited "
                                            r"unexpectedly with exit code 255"):
@@ -115,34 +124,35 @@ def test_worker_dies_after_its_zygote():
 
 
 def test_zygote_starts_with_the_loader_and_ends_with_it_unused():
-    loader = FastLoader(fd.Plain(8), batch_size=2, num_workers=NW)
-    (zygote,) = loader._spare_zygote
-    assert zygote.pid is not None and fd.pid_alive(zygote.pid)
-    pid = zygote.pid
-    del loader, zygote
-    assert fd.wait_pids_gone([pid], timeout=10) == []  # never iterated: stopped with the loader
+    loader = FastLoader(Plain(8), batch_size=2, num_workers=NW)
+    (pid,) = debug_view(loader).spare_zygote_pids
+    assert pid_alive(pid)
+    del loader
+    assert wait_pids_gone([pid], timeout=10) == []  # never iterated: stopped with the loader
 
 
 def test_prestarted_zygote_is_the_first_pool_s():
-    loader = FastLoader(fd.Plain(8), batch_size=2, num_workers=NW)
-    pid = loader._spare_zygote[0].pid
+    loader = FastLoader(Plain(8), batch_size=2, num_workers=NW)
+    (pid,) = debug_view(loader).spare_zygote_pids
     it = iter(loader)
-    assert it._pool._zygote.pid == pid and loader._spare_zygote == []
+    assert debug_view(it).pool.zygote_pid == pid and debug_view(loader).spare_zygote_pids == ()
     assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # No zygote for explicit start methods or num_workers=0.
-    assert FastLoader(fd.Plain(8), num_workers=NW, multiprocessing_context="spawn")._spare_zygote == []
-    assert FastLoader(fd.Plain(8))._spare_zygote == []
+    spawn = FastLoader(Plain(8), num_workers=NW, multiprocessing_context="spawn")
+    assert debug_view(spawn).spare_zygote_pids == ()
+    assert debug_view(FastLoader(Plain(8))).spare_zygote_pids == ()
 
 
 @pytest.mark.parametrize("ctx", [None, "spawn", "forkserver", "fork"])
+@pytest.mark.heavy
 def test_every_start_method_stops_promptly_and_quietly(ctx, caplog):
     # Workers see the ring's shutdown and exit on their own (code 0) well
     # within the grace period: none is terminated, nothing is logged.
-    loader = FastLoader(fd.Plain(40), batch_size=2, num_workers=NW,
+    loader = FastLoader(Plain(40), batch_size=2, num_workers=NW,
                         multiprocessing_context=ctx, reuse_workers=False)
     it = iter(loader)
     next(it), next(it)  # one batch from each worker: both are up (one still starting is killed)
-    procs = list(it._pool.procs)
+    procs = debug_view(it).pool.processes
     with caplog.at_level(logging.WARNING, logger="fastload"):
         it._shutdown_workers()
     assert [r.getMessage() for r in caplog.records] == []
@@ -160,32 +170,32 @@ def _inherited_flags(batches):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_workers_inherit_the_session_the_zygote_preloaded(persistent):
-    loader = FastLoader(fd.UnpicklesWith(12), batch_size=2, num_workers=NW,
+    loader = FastLoader(UnpicklesWith(12), batch_size=2, num_workers=NW,
                         persistent_workers=persistent)
     pids = []
     for _epoch in range(2):
         it = iter(loader)
-        pool = it._pool
-        assert pool._preloaded is not None and pool._forked_with == [pool._preloaded] * NW
+        pool = debug_view(it).pool
+        assert pool.preloaded and pool.inherited == (True,) * NW
         pids.append(set(pool.pids))
         assert _inherited_flags(list(it)) == (list(range(12)), {0})  # none unpickled it
-        del it, pool
+        del it
     if persistent:  # one session: the same processes
         assert pids[0] == pids[1]
     else:  # a session per epoch: fresh workers each, forked from the warm pool's zygote
         assert pids[0].isdisjoint(pids[1])
-        assert fd.wait_pids_gone(pids[0], timeout=5) == []
+        assert wait_pids_gone(pids[0], timeout=5) == []
 
 
 def test_a_replacement_worker_inherits_the_session_too(tmp_path):
-    ds = fd.FailOnceOn(20, bad=7, marker=os.fspath(tmp_path / "failed"))
+    ds = Misbehave(20, {7: "kill"}, once=os.fspath(tmp_path / "failed"))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, max_worker_restarts=1)
     it = iter(loader)
     got = [b.clone() for b in it]
     assert (tmp_path / "failed").exists()
-    pool = loader._idle_pool
-    assert pool._preloaded is not None and pool._forked_with == [pool._preloaded] * NW
-    want = list(DataLoader(ds, batch_size=2))
+    pool = debug_view(loader).idle_pool
+    assert pool.preloaded and pool.inherited == (True,) * NW
+    want = list(DataLoader(Plain(20), batch_size=2))
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -194,23 +204,23 @@ def test_a_dataset_that_opens_files_or_starts_threads_is_unpickled_by_each_worke
     # Shared by fork, a file's offset or a thread's locks would be a trap:
     # each worker gets a copy of its own, as before, and the zygote that
     # runs a thread is not forked from again.
-    loader = FastLoader(fd.UnpicklesWith(8, how), batch_size=2, num_workers=NW)
+    loader = FastLoader(UnpicklesWith(8, how), batch_size=2, num_workers=NW)
     with caplog.at_level(logging.DEBUG, logger="fastload"):
         for _epoch in range(2):
             it = iter(loader)
-            pool = it._pool
-            assert pool._preloaded is None and not pool._preload_ok
+            pool = debug_view(it).pool
+            assert not pool.preloaded and pool.inherited == (False,) * NW
             assert _inherited_flags(list(it)) == (list(range(8)), {1})
             del it
     why = "started threads" if how == "thread" else "opened"
     assert [r for r in caplog.records if why in r.getMessage()]
-    assert len(pool._zygotes) == (2 if how == "thread" else 1)
-    assert pool._zygotes[0].gone() == (how == "thread")
-    del pool
+    zygotes = debug_view(loader).idle_pool.zygote_pids
+    assert len(zygotes) == (2 if how == "thread" else 1)
+    assert pid_alive(zygotes[0]) == (how != "thread")
 
 
 def test_a_dataset_that_cannot_be_unpickled_fails_as_before():
-    loader = FastLoader(fd.UnpicklesWith(8, "raise", everywhere=True), batch_size=2,
+    loader = FastLoader(UnpicklesWith(8, "raise", everywhere=True), batch_size=2,
                         num_workers=NW)
     with pytest.raises(ValueError, match="refuses to be unpickled") as info:
         list(loader)
@@ -220,10 +230,10 @@ def test_a_dataset_that_cannot_be_unpickled_fails_as_before():
 def test_a_zygote_stuck_unpickling_is_replaced(caplog):
     # It gets hang_timeout; then workers forked from a new zygote unpickle
     # the dataset themselves (stuck there too, the watchdog would name them).
-    loader = FastLoader(fd.UnpicklesWith(8, "sleep", seconds=60), batch_size=2,
+    loader = FastLoader(UnpicklesWith(8, "sleep", seconds=60), batch_size=2,
                         num_workers=NW, hang_timeout=1.0)
     it = iter(loader)
-    stuck = it._pool._zygotes[0]
-    assert stuck.gone() and len(it._pool._zygotes) == 2
+    zygotes = debug_view(it).pool.zygote_pids
+    assert len(zygotes) == 2 and not pid_alive(zygotes[0])
     assert _inherited_flags(list(it)) == (list(range(8)), {1})
     assert [r for r in caplog.records if "did not unpickle the session within" in r.getMessage()]

@@ -384,7 +384,13 @@ class Zygote:
 
     @property
     def pid(self) -> Optional[int]:
+        """Its pid while it runs; None once it was stopped."""
         return self._popen.pid if self.alive else None
+
+    @property
+    def launched_pid(self) -> int:
+        """Its pid, also after it is gone (for diagnostics)."""
+        return self._popen.pid
 
     def gone(self) -> bool:
         """Whether the zygote has exited (or was stopped)."""

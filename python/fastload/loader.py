@@ -25,9 +25,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataL
 from . import resume
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
-from .launch import Zygote
 from .pinning import DeviceRuntime
-from .pool import WorkerPool
 from .warm import LoaderOptions, LoaderState, stop_spare_zygotes
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR"]
@@ -169,17 +167,7 @@ class FastLoader(DataLoader[T_co]):
         if self.num_workers > 0 and self.multiprocessing_context is None:
             # Whoever takes the zygote (the first pool) owns it; else it ends with us.
             self._fastload_state.start_spare_zygote()
-            weakref.finalize(self, stop_spare_zygotes, self._spare_zygote)
-
-    @property
-    def _idle_pool(self) -> Optional[WorkerPool]:
-        """The warm pool kept between epochs, if any."""
-        return self._fastload_state.idle_pool
-
-    @property
-    def _spare_zygote(self) -> List[Zygote]:
-        """The zygote started with the loader, until a pool takes it."""
-        return self._fastload_state.spare_zygotes
+            weakref.finalize(self, stop_spare_zygotes, self._fastload_state.spare_zygotes)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:

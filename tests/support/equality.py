@@ -1,10 +1,9 @@
-"""Datasets, collate functions and worker_init_fns shared by the equality tests.
+"""Datasets, collate functions and worker_init_fns of the DataLoader-equality
+tests: nested samples of everything default_collate knows, every dtype,
+randomness drawn in workers, IterableDatasets split among workers, custom
+batch results. FastLoader's batches must equal DataLoader's for all of them.
 
-They live in an importable module (not in a test module) so that spawned
-workers -- FastLoader's always, DataLoader's with ``multiprocessing_context=
-"spawn"`` -- unpickle them by reference: pytest puts ``tests/`` on
-``sys.path`` (rootdir conftest, prepend import mode) and ``multiprocessing``
-hands ``sys.path`` to spawned children.
+Module level so that workers unpickle them by reference (see ``support/__init__``).
 """
 
 from __future__ import annotations
@@ -405,3 +404,57 @@ class SlowFirstBigDataset(BigDataset):
             elif i == 3:
                 open(self.marker, "a").close()
         return super().__getitem__(i)
+
+
+# ---------------------------------------------------------------------------
+# comparing batches
+
+
+def assert_same(a: Any, b: Any, path: str = "batch") -> None:
+    """Recursive equality of two batches: types, structure, dtypes, shapes, values."""
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
+        assert a.layout == b.layout, f"{path}: layout {a.layout} != {b.layout}"
+        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        assert torch.equal(a.detach(), b.detach()), f"{path}: values differ:\n{a}\n!=\n{b}"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert np.array_equal(a, b), f"{path}: values differ:\n{a}\n!=\n{b}"
+        assert a.flags.writeable == b.flags.writeable, f"{path}: writeable flag differs"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a == b, f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, tuple) and hasattr(a, "_fields"):  # namedtuple
+        assert a._fields == b._fields, f"{path}: fields {a._fields} != {b._fields}"
+        for k, x, y in zip(a._fields, a, b):
+            assert_same(x, y, f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):  # includes torch.Size
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(
+        a, (str, bytes, bytearray, bool, int, float, complex, type(None), frozenset, set, torch.dtype)
+    ):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+    elif hasattr(a, "__dict__"):  # custom objects: their attributes
+        assert_same(vars(a), vars(b), f"{path}.__dict__")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def assert_epochs_same(got: List[List[Any]], expected: List[List[Any]]) -> None:
+    assert len(got) == len(expected)
+    for e, (g, x) in enumerate(zip(got, expected)):
+        assert len(g) == len(x), f"epoch {e}: {len(g)} batches != {len(x)}"
+        for i, (gb, xb) in enumerate(zip(g, x)):
+            assert_same(gb, xb, f"epoch {e} batch {i}")
