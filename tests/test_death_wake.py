@@ -20,7 +20,9 @@ from typing import Iterator
 import pytest
 
 from fastload import FastLoader, _core
-from faulty_datasets import FailOnceOn
+from fastload.debug import debug_view
+from support import KILLED_RE
+from support.faults import Misbehave
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux 5.3+)")
 
@@ -156,20 +158,22 @@ def test_watch_worker_checks_its_arguments() -> None:
 def test_a_killed_worker_ends_an_epoch_that_waits_forever(tmp_path, alarm: None, ctx) -> None:
     """No timeout and no hang watchdog: the iterator's waits have no end but
     a batch or a death, and a SIGKILLed worker is still reported."""
-    ds = FailOnceOn(16, bad=5, marker=os.fspath(tmp_path / "failed"))
+    ds = Misbehave(16, {5: "kill"})
     loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None, timeout=0,
                         max_worker_restarts=0, multiprocessing_context=ctx)
-    with pytest.raises(RuntimeError, match=r"is killed by signal: Killed"):
+    with pytest.raises(RuntimeError, match=KILLED_RE):
         list(loader)
 
 
 def test_a_restart_under_waits_without_end(tmp_path, alarm: None) -> None:
     """The replacement is watched in place of the dead worker; the epoch and
     the next ones finish."""
-    ds = FailOnceOn(16, bad=5, marker=os.fspath(tmp_path / "failed"))
+    ds = Misbehave(16, {5: "kill"}, once=os.fspath(tmp_path / "failed"), width=3)
     loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None,
                         max_worker_restarts=1)
     for _ in range(3):  # later epochs retire and fork workers: no death is reported
         got = sorted(int(x) for b in loader for x in b[:, 0])
         assert got == list(range(16))
+        pool = debug_view(loader).idle_pool
+        assert pool is not None and pool.ring.dead_workers() == []
     assert (tmp_path / "failed").exists()
