@@ -280,6 +280,9 @@ class WorkerPool:
                 return
         try:
             self.ring.watch_worker(i, fd)
+        except RuntimeError as e:  # out of fds, or no thread to be had
+            log.warning("fastload: cannot watch worker %d (%s); polling its liveness instead", i, e)
+            self.deaths_watched = False
         finally:
             if owned is not None:
                 os.close(owned)
