@@ -103,7 +103,8 @@ PYBIND11_MODULE(_core, m) {
   py::enum_<WaitResult>(m, "WaitResult")
       .value("READY", WaitResult::Ready)
       .value("TIMED_OUT", WaitResult::TimedOut)
-      .value("SHUTDOWN", WaitResult::Shutdown);
+      .value("SHUTDOWN", WaitResult::Shutdown)
+      .value("WORKER_DIED", WaitResult::WorkerDied);
 
   py::enum_<fastload::SlotState>(m, "SlotState")
       .value("FREE", fastload::SlotState::Free)
@@ -201,6 +202,16 @@ PYBIND11_MODULE(_core, m) {
                                                                  : py::int_(-1));
            },
            py::arg("slots"), py::arg("seqs"), py::arg("timeout"))
+      .def("watch_worker", &Ring::watch_worker, py::arg("worker"), py::arg("fd"),
+           "Watch worker's life through fd (a pidfd; duplicated): its death wakes\n"
+           "wait_ready/wait_any, which answer WORKER_DIED until the worker is\n"
+           "unwatched or watched again.")
+      .def("unwatch_worker", &Ring::unwatch_worker, py::arg("worker"))
+      .def("dead_workers", &Ring::dead_workers,
+           "Watched workers whose death was seen and not yet acted on.")
+      .def("rescan_count", &Ring::rescan_count,
+           "How many times the main process read every slot instead of the completion "
+           "queue (a debug view).")
       .def("is_ready", &Ring::is_ready, py::arg("slot"), py::arg("seq"))
       .def("result",
            [](const Ring& r, uint32_t slot) {

@@ -1,5 +1,6 @@
 #include "ring.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,10 +17,16 @@ using sync::load_acquire;
 using sync::load_relaxed;
 using sync::store_relaxed;
 using sync::store_release;
+using sync::take_ticket;
 
 namespace {
 
 constexpr int kSpinChecks = 64;  // brief spin before sleeping (see sync::cpu_relax)
+// The longest main sleeps before it rescans the slots, whatever its timeout:
+// the safety net for an entry lost in a way no death announced (a worker
+// stopped between its READY and its push, then lapped by a whole queue).
+constexpr int64_t kRescanEveryNs = 1000000000LL;
+constexpr uint32_t kCqMask = kCompletionCapacity - 1;
 constexpr uint64_t kNoLap = ~0ULL;
 constexpr uint64_t kNoGeneration = ~0ULL;
 
@@ -35,6 +42,7 @@ bool in_flight(SlotState st) {
 
 size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers) {
   size_t off = align_up(sizeof(ShmHeader), kCacheLine);
+  off += sizeof(ShmCompletions);
   off += sizeof(ShmWorker) * num_workers;
   off += sizeof(ShmSlot) * num_slots;
   return align_up(off, kPayloadAlign);
@@ -45,14 +53,20 @@ Ring::Ring(Segment seg, bool owner)
       base_(static_cast<char*>(seg_.data())),
       hdr_(reinterpret_cast<ShmHeader*>(base_)),
       local_generation_(new std::atomic<uint64_t>[hdr_->num_workers]),
-      local_lap_(new std::atomic<uint64_t>[hdr_->num_slots]) {
+      local_lap_(new std::atomic<uint64_t>[hdr_->num_slots]),
+      cq_taken_(new bool[kCompletionCapacity]()),
+      ready_lap_(new uint64_t[hdr_->num_slots]) {
   for (uint32_t w = 0; w < hdr_->num_workers; ++w) store_relaxed(local_generation_[w], kNoGeneration);
   for (uint32_t s = 0; s < hdr_->num_slots; ++s) store_relaxed(local_lap_[s], kNoLap);
+  for (uint32_t s = 0; s < hdr_->num_slots; ++s) ready_lap_[s] = kNoLap;
   if (owner) {
     std::lock_guard<std::mutex> g(free_mu_);
     for (uint32_t s = 0; s < hdr_->num_slots; ++s) set_free_bit(s);
+    watch_ = std::make_unique<DeathWatch>([this] { wake_main(); });
   }
 }
+
+Ring::~Ring() = default;
 
 std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uint64_t slot_bytes,
                                    bool force_shm) {
@@ -82,9 +96,16 @@ std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uin
   hdr->num_workers = num_workers;
   hdr->slot_bytes = slot_bytes;
   hdr->total_bytes = total;
-  hdr->workers_offset = align_up(sizeof(ShmHeader), kCacheLine);
+  hdr->completions_offset = align_up(sizeof(ShmHeader), kCacheLine);
+  hdr->completion_capacity = kCompletionCapacity;
+  hdr->workers_offset = hdr->completions_offset + sizeof(ShmCompletions);
   hdr->slots_offset = hdr->workers_offset + sizeof(ShmWorker) * num_workers;
   hdr->payload_offset = payload_off;
+  auto* cq = new (base + hdr->completions_offset) ShmCompletions{};
+  // Each cell stamped with its position one lap back: none looks written
+  // (a zero cell would pass for position 0's entry).
+  for (uint32_t i = 0; i < kCompletionCapacity; ++i)
+    store_relaxed(cq->cells[i], completion_entry(i - kCompletionCapacity, 0, 0));
   auto* workers = reinterpret_cast<ShmWorker*>(base + hdr->workers_offset);
   for (uint32_t w = 0; w < num_workers; ++w) {
     new (&workers[w]) ShmWorker{};
@@ -119,10 +140,15 @@ std::shared_ptr<Ring> Ring::attach(int fd) {
       hdr->slot_bytes > (uint64_t{1} << 40))
     throw bad("slot_bytes " + str(hdr->slot_bytes) + " is not a positive multiple of " +
               str(kPayloadAlign));
-  const uint64_t workers_off = align_up(sizeof(ShmHeader), kCacheLine);
+  if (hdr->completion_capacity != kCompletionCapacity)
+    throw bad("completion queue of " + str(hdr->completion_capacity) +
+              " entries but this build uses " + str(kCompletionCapacity));
+  const uint64_t completions_off = align_up(sizeof(ShmHeader), kCacheLine);
+  const uint64_t workers_off = completions_off + sizeof(ShmCompletions);
   const uint64_t slots_off = workers_off + sizeof(ShmWorker) * hdr->num_workers;
   const uint64_t payload_off = ring_payload_offset(hdr->num_slots, hdr->num_workers);
-  if (hdr->workers_offset != workers_off || hdr->slots_offset != slots_off ||
+  if (hdr->completions_offset != completions_off || hdr->workers_offset != workers_off ||
+      hdr->slots_offset != slots_off ||
       hdr->payload_offset != payload_off)
     throw bad("the header's offsets do not match its geometry (corrupt header)");
   // No overflow: slot_bytes <= 2^40 and num_slots <= 1024.
@@ -135,6 +161,10 @@ std::shared_ptr<Ring> Ring::attach(int fd) {
 
 ShmSlot& Ring::slot(uint32_t i) const {
   return reinterpret_cast<ShmSlot*>(base_ + hdr_->slots_offset)[i];
+}
+
+ShmCompletions& Ring::completions() const {
+  return *reinterpret_cast<ShmCompletions*>(base_ + hdr_->completions_offset);
 }
 
 ShmWorker& Ring::worker(uint32_t i) const {
@@ -277,6 +307,8 @@ void Ring::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t
   if (load_relaxed(q.sleeping) != 0) sync::futex_wake_all(&q.doorbell);
 }
 
+// ---- main process: results -------------------------------------------------
+
 bool Ring::is_ready(uint32_t s, uint64_t seq) const {
   check_slot(s);
   const ShmSlot& sl = slot(s);
@@ -286,58 +318,168 @@ bool Ring::is_ready(uint32_t s, uint64_t seq) const {
   return word_state(load_acquire(sl.state)) == SlotState::Ready && load_relaxed(sl.seq) == seq;
 }
 
-template <class Pred>
-WaitResult Ring::wait_main(Pred ready, int64_t timeout_ns) {
+// ---- main process: completions ---------------------------------------------
+
+void Ring::take_completions() {
+  ShmCompletions& cq = completions();
+  // Acquire: positions below `tail` were taken by producers; their cells are
+  // read (acquire) one by one below.
+  const uint32_t tail = load_acquire(cq.tail);
+  if (tail - cq_head_ > kCompletionCapacity) {
+    // Producers ran a whole queue past our head: the cells of [head,
+    // tail - capacity) were written over (or never written: holes). Give
+    // those positions up and rescan the slots instead.
+    const uint32_t give_up = tail - kCompletionCapacity - cq_head_;
+    for (uint32_t k = 0; k < give_up && k < kCompletionCapacity; ++k)
+      cq_taken_[(cq_head_ + k) & kCqMask] = false;
+    cq_head_ = tail - kCompletionCapacity;
+    rescan_due_ = true;
+  }
+  for (uint32_t pos = cq_head_; pos != tail; ++pos) {
+    const uint32_t i = pos & kCqMask;
+    if (cq_taken_[i]) continue;
+    // Acquire pairs with commit()'s store_release of the entry, which
+    // follows its READY: once the entry is seen, so is the READY (or a
+    // later state of the slot).
+    const uint64_t e = load_acquire(cq.cells[i]);
+    if (completion_pos(e) != pos) continue;  // not written yet (or a hole)
+    cq_taken_[i] = true;
+    const uint32_t s = completion_slot(e);
+    if (s >= hdr_->num_slots) continue;  // cannot happen: a worker wrote it
+    const uint64_t word = load_acquire(slot(s).state);
+    // Dropped unless the slot is still READY on the lap that pushed it: a
+    // slot main already released, reclaimed or assigned again (its state
+    // word says so) has nothing to say.
+    if (word_state(word) == SlotState::Ready && (word_lap(word) & 0xffff) == completion_lap16(e))
+      ready_lap_[s] = word_lap(word);
+  }
+  while (cq_head_ != tail && cq_taken_[cq_head_ & kCqMask]) {
+    cq_taken_[cq_head_ & kCqMask] = false;
+    ++cq_head_;
+  }
+}
+
+void Ring::rescan_slots() {
+  rescan_due_ = false;
+  ++rescans_;
+  if (watch_ != nullptr) rescanned_deaths_ = watch_->events();
+  for (uint32_t s = 0; s < hdr_->num_slots; ++s) {
+    const uint64_t word = load_acquire(slot(s).state);
+    if (word_state(word) == SlotState::Ready) ready_lap_[s] = word_lap(word);
+  }
+}
+
+bool Ring::find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, size_t* which) {
+  take_completions();
+  if (!rescan_due_ && watch_ != nullptr && watch_->events() != rescanned_deaths_)
+    rescan_due_ = true;  // a worker died, maybe between its READY and its push
+  if (rescan_due_) rescan_slots();
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = slots[i];
+    const uint64_t lap = ready_lap_[s];
+    if (lap == kNoLap) continue;
+    // Acquire pairs with commit()'s release of READY: result fields and
+    // payload are visible. The table is only a hint: the word decides.
+    if (load_acquire(slot(s).state) != slot_word(lap, SlotState::Ready)) {
+      ready_lap_[s] = kNoLap;  // released, reclaimed or reassigned since
+      continue;
+    }
+    // `seq` is main's own write (assign), made before the lap began. A READY
+    // slot with another stamp stays in the table for whoever wants that one.
+    if (load_relaxed(slot(s).seq) == seqs[i]) {
+      *which = i;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Ring::any_dead() const { return watch_ != nullptr && watch_->dead_count() != 0; }
+
+void Ring::wake_main() {
+  // Bump the word before waking, as commit() does, so a waiter between its
+  // look and its futex_wait does not sleep through this.
+  bump_release(hdr_->completions);
+  sync::futex_wake_all(&hdr_->completions);
+}
+
+WaitResult Ring::wait_ready(uint32_t s, uint64_t seq, int64_t timeout_ns) {
+  size_t which = 0;
+  return wait_any(&s, &seq, 1, timeout_ns, &which);
+}
+
+WaitResult Ring::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
+                          int64_t timeout_ns, size_t* which) {
+  for (size_t i = 0; i < n; ++i) check_slot(slots[i]);
+  std::unique_lock<std::mutex> lock(cq_mu_, std::defer_lock);
+  auto look = [&] {
+    lock.lock();
+    const bool found = find_ready(slots, seqs, n, which);
+    lock.unlock();
+    return found;
+  };
   for (int i = 0; i < kSpinChecks; ++i) {
-    if (ready()) return WaitResult::Ready;
+    if (look()) return WaitResult::Ready;
     sync::cpu_relax();
   }
   const sync::Deadline deadline = sync::Deadline::after_ns(timeout_ns);
   for (;;) {
+    // Acquire: what a worker pushed before its bump is seen by the look
+    // below; a bump after this read makes futex_wait return at once.
     const uint32_t seen = load_acquire(hdr_->completions);
-    if (ready()) return WaitResult::Ready;
+    if (look()) return WaitResult::Ready;
     if (load_acquire(hdr_->shutdown) != 0) return WaitResult::Shutdown;
+    if (any_dead()) return WaitResult::WorkerDied;
     store_release(hdr_->main_waiting, 1u);
-    // Dekker with commit(): our flag store before re-reading the slots.
+    // Dekker with commit(): our flag store before taking entries again.
     full_fence();
-    if (ready()) {
+    if (look()) {
       store_release(hdr_->main_waiting, 0u);
       return WaitResult::Ready;
     }
     const int64_t left = deadline.left_ns();
     if (left <= 0) {
       store_release(hdr_->main_waiting, 0u);
-      return WaitResult::TimedOut;
+      // Rescan before answering TimedOut: the answer is a scan's.
+      lock.lock();
+      rescan_due_ = true;
+      const bool found = find_ready(slots, seqs, n, which);
+      lock.unlock();
+      return found ? WaitResult::Ready : WaitResult::TimedOut;
     }
-    auto r = sync::futex_wait(&hdr_->completions, seen, left);
+    auto r = sync::futex_wait(&hdr_->completions, seen, std::min(left, kRescanEveryNs));
     store_release(hdr_->main_waiting, 0u);
-    if (r == sync::FutexResult::Interrupted || r == sync::FutexResult::TimedOut) {
+    if (r == sync::FutexResult::Interrupted) {
       // A signal (Ctrl-C) must reach Python now: report a timeout, the
       // caller loops and checks signals and worker liveness.
-      return ready() ? WaitResult::Ready : WaitResult::TimedOut;
+      return look() ? WaitResult::Ready : WaitResult::TimedOut;
+    }
+    if (r == sync::FutexResult::TimedOut && !deadline.passed()) {
+      lock.lock();
+      rescan_due_ = true;  // asleep a whole rescan period: the safety net
+      lock.unlock();
     }
   }
 }
 
-WaitResult Ring::wait_ready(uint32_t s, uint64_t seq, int64_t timeout_ns) {
-  check_slot(s);
-  return wait_main([&] { return is_ready(s, seq); }, timeout_ns);
+void Ring::watch_worker(uint32_t w, int fd) {
+  check_worker(w);
+  if (watch_ == nullptr) throw std::logic_error("fastload: watch_worker() outside the main process");
+  watch_->watch(w, fd);
 }
 
-WaitResult Ring::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
-                          int64_t timeout_ns, size_t* which) {
-  for (size_t i = 0; i < n; ++i) check_slot(slots[i]);
-  return wait_main(
-      [&] {
-        for (size_t i = 0; i < n; ++i) {
-          if (is_ready(slots[i], seqs[i])) {
-            *which = i;
-            return true;
-          }
-        }
-        return false;
-      },
-      timeout_ns);
+void Ring::unwatch_worker(uint32_t w) {
+  check_worker(w);
+  if (watch_ != nullptr) watch_->unwatch(w);
+}
+
+uint64_t Ring::rescan_count() const {
+  std::lock_guard<std::mutex> g(cq_mu_);
+  return rescans_;
+}
+
+std::vector<uint32_t> Ring::dead_workers() const {
+  return watch_ != nullptr ? watch_->dead() : std::vector<uint32_t>{};
 }
 
 SlotResult Ring::result(uint32_t s) const {
@@ -376,6 +518,7 @@ void Ring::release(uint32_t s) {
 
 void Ring::shutdown() {
   store_release(hdr_->shutdown, 1u);
+  if (watch_ != nullptr) watch_->stop();
   for (uint32_t w = 0; w < hdr_->num_workers; ++w) {
     ShmWorker& q = worker(w);
     bump_release(q.doorbell);
@@ -544,6 +687,13 @@ CommitResult Ring::commit(const TaskRef& t, const SlotResult& r) {
   // is_ready(). Fails only when main reclaimed the slot while we wrote them.
   if (!cas_acq_rel(sl.state, word, slot_word(t.lap, SlotState::Ready)))
     return CommitResult::Reclaimed;
+  // Tell main which slot, on the completion queue. Dying here leaves the
+  // slot READY with no entry: main rescans the slots at each new death.
+  ShmCompletions& cq = completions();
+  const uint32_t pos = take_ticket(cq.tail);
+  // Release: main's acquire of this cell sees the READY above (and so, as
+  // with the state word itself, the payload and the result fields).
+  store_release(cq.cells[pos & kCqMask], completion_entry(pos, t.lap, t.slot));
   if (w < hdr_->num_workers) {
     store_release(worker(w).current_seq, kNoSeq);
     bump_release(worker(w).progress);

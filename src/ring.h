@@ -1,7 +1,8 @@
 // fastload/src/ring.h — the shared ring: one segment = ShmHeader, the
-// per-worker submission queues, the per-slot headers, then the slot payloads.
+// completion queue, the per-worker submission queues, the per-slot headers,
+// then the slot payloads.
 //
-//   [ShmHeader][ShmWorker x num_workers][ShmSlot x num_slots][pad][slot 0]...[slot S-1]
+//   [ShmHeader][ShmCompletions][ShmWorker x num_workers][ShmSlot x num_slots][pad][slot 0]...
 //
 // Who does what (one writer per field, as in the Disruptor):
 //   main    picks a FREE slot, writes the task into it, marks it ASSIGNED
@@ -9,15 +10,21 @@
 //           must make it (round-robin is the caller's policy, not the ring's);
 //   worker  pops the index, marks the slot WRITING, writes the batch into
 //           the payload, marks it COMMITTING, fills the result fields, marks
-//           it READY and bumps the header's completion counter (main's
-//           futex word);
-//   main    waits for READY (checking the sequence stamp, so a stale slot
-//           never looks ready), marks it LEASED while views of it are alive,
-//           then FREE again.
+//           it READY, pushes (slot, lap) on the completion queue and bumps
+//           the header's completion counter (main's futex word);
+//   main    pops the completion queue (io_uring-CQ style) instead of
+//           scanning the slots, checks each entry against the slot's state
+//           word and sequence stamp (so a stale entry or slot never looks
+//           ready), marks the slot LEASED while views of it are alive, then
+//           FREE again.
 // Every state change is a compare-and-swap from the (lap, state) the caller
 // expects, the lap being bumped at each assign: a worker believed dead whose
 // slot main reclaimed and reassigned can never commit into the new lap.
-// Every wait is a bounded futex wait that also watches the shutdown flag.
+// The state word stays the one truth: a queue entry only says "look at this
+// slot". Main rescans every slot when an entry may have been lost (a worker
+// died between READY and its push; see Ring::wait_any).
+// Every wait is a bounded futex wait that also watches the shutdown flag and,
+// on the main side, the deaths of watched workers (DeathWatch, watch.h).
 #pragma once
 
 #include <atomic>
@@ -26,17 +33,19 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "segment.h"
 #include "sync.h"
+#include "watch.h"
 
 namespace fastload {
 
 constexpr uint64_t kRingMagic = 0x474e4952444c5346ULL;  // "FSLDRING" read little-endian
 // Bumped whenever a shared struct changes: two builds with different
 // layouts refuse to share a segment. 2: 64-bit slot state words with a lap,
-// lap-stamped queue entries, worker generations.
-constexpr uint32_t kRingVersion = 2;
+// lap-stamped queue entries, worker generations. 3: the completion queue.
+constexpr uint32_t kRingVersion = 3;
 constexpr uint32_t kMaxSlots = 1024;  // power of two: queue indices are masked with it
 constexpr uint32_t kMaxWorkers = 512;
 constexpr size_t kCacheLine = 64;
@@ -45,6 +54,15 @@ constexpr uint64_t kNoSeq = ~0ULL;
 
 static_assert((kMaxSlots & (kMaxSlots - 1)) == 0, "kMaxSlots must be a power of two");
 static_assert(kMaxSlots % 64 == 0, "the free bitmap is whole 64-bit words");
+// Completion queue capacity: a power of two, and twice the most slots. Main
+// takes every entry at each look, and a slot completes once per assignment,
+// so unread entries outnumber the slots only when main took results without
+// looking at the queue (is_ready()); entries then written over cost a
+// rescan, never a batch.
+constexpr uint32_t kCompletionCapacity = 2 * kMaxSlots;
+static_assert((kCompletionCapacity & (kCompletionCapacity - 1)) == 0 &&
+                  kCompletionCapacity >= kMaxSlots,
+              "the completion queue is a power of two and holds an entry per slot");
 
 // A slot's life. COMMITTING is the few instructions in which a worker that
 // won the slot from WRITING writes the result fields before READY.
@@ -56,7 +74,9 @@ enum class SlotState : uint32_t {
   Leased = 4,
   Committing = 5,
 };
-enum class WaitResult : int { Ready = 0, TimedOut = 1, Shutdown = 2 };
+// WorkerDied (main only): a worker watched with watch_worker() is gone and
+// nothing asked for was READY; the caller looks at its workers now.
+enum class WaitResult : int { Ready = 0, TimedOut = 1, Shutdown = 2, WorkerDied = 3 };
 // What commit() did. Reclaimed: main took the slot back (the worker was
 // believed dead) before this commit; the result is dropped, and the slot may
 // already carry another task under a new lap, which this commit never touches.
@@ -82,6 +102,21 @@ constexpr unsigned kEntrySlotBits = 16;
 static_assert(kMaxSlots <= (1u << kEntrySlotBits), "slot indices fit a queue entry");
 constexpr uint64_t queue_entry(uint64_t lap, uint32_t slot) {
   return (lap << kEntrySlotBits) | slot;
+}
+
+// A completion entry: the position it was pushed at (tells a written cell
+// from one left by an earlier lap of the queue), the low 16 bits of the
+// slot's lap (drops most stale entries before their slot is even read), and
+// the slot index.
+constexpr uint64_t completion_entry(uint32_t pos, uint64_t lap, uint32_t slot) {
+  return (uint64_t{pos} << 32) | ((lap & 0xffff) << kEntrySlotBits) | slot;
+}
+constexpr uint32_t completion_pos(uint64_t e) { return static_cast<uint32_t>(e >> 32); }
+constexpr uint32_t completion_lap16(uint64_t e) {
+  return static_cast<uint32_t>((e >> kEntrySlotBits) & 0xffff);
+}
+constexpr uint32_t completion_slot(uint64_t e) {
+  return static_cast<uint32_t>(e & ((1u << kEntrySlotBits) - 1));
 }
 
 // One per slot, in shared memory. Fields other than `state` are relaxed
@@ -124,6 +159,28 @@ struct alignas(kCacheLine) ShmWorker {
   alignas(kCacheLine) std::atomic<uint64_t> entries[kMaxSlots];
 };
 
+// The completion queue, in shared memory: many producers (the workers, in
+// commit()), one consumer (main). A producer takes a position with a
+// fetch-and-add on `tail` and stores its entry, stamped with that position,
+// into cells[pos % capacity]; nothing else is shared. Main keeps its head to
+// itself and takes any cell of the window [head, tail) whose stamp matches
+// its position, in whatever order they were written, so a producer that
+// took a position and died before writing it (a hole) holds up nothing but
+// that position, until tail runs a whole capacity past it and main gives it
+// up (and rescans the slots). A producer never waits: if main fell a
+// capacity behind, the oldest unread entries are overwritten, main notices
+// the gap and rescans. Either way the slot states stay right; the queue only
+// saves main from reading every slot at every wake-up.
+struct alignas(kCacheLine) ShmCompletions {
+  // Workers: fetch-and-add (the ticket of a position); main reads it
+  // (acquire) to bound the window.
+  alignas(kCacheLine) std::atomic<uint32_t> tail;
+  // completion_entry(pos, lap, slot); the producer of `pos` stores it
+  // (release, after its READY), main loads it (acquire). Initially stamped
+  // with the position of the previous lap, so no cell looks written.
+  alignas(kCacheLine) std::atomic<uint64_t> cells[kCompletionCapacity];
+};
+
 struct ShmHeader {
   uint64_t magic;
   uint32_t version;
@@ -135,6 +192,8 @@ struct ShmHeader {
   uint64_t workers_offset;
   uint64_t slots_offset;
   uint64_t payload_offset;
+  uint64_t completions_offset;  // the ShmCompletions
+  uint32_t completion_capacity;
   // main sets it once; every wait loop of every process checks it.
   alignas(kCacheLine) std::atomic<uint32_t> shutdown;
   // workers bump it (after READY) ; main's futex word.
@@ -156,8 +215,14 @@ static_assert(std::is_standard_layout_v<ShmHeader>, "ShmHeader is an ABI between
 static_assert(offsetof(ShmHeader, shutdown) % kCacheLine == 0 &&
                   offsetof(ShmHeader, completions) % kCacheLine == 0,
               "hot header fields each start a cache line");
-static_assert(offsetof(ShmHeader, payload_offset) == 56 && sizeof(ShmHeader) == 3 * kCacheLine,
+static_assert(offsetof(ShmHeader, payload_offset) == 56 &&
+                  offsetof(ShmHeader, completion_capacity) == 72 &&
+                  sizeof(ShmHeader) == 4 * kCacheLine,
               "ShmHeader layout (bump kRingVersion when it changes)");
+static_assert(std::is_standard_layout_v<ShmCompletions> &&
+                  offsetof(ShmCompletions, cells) == kCacheLine &&
+                  sizeof(ShmCompletions) == kCacheLine + 8 * kCompletionCapacity,
+              "ShmCompletions layout (bump kRingVersion when it changes)");
 
 // A task a worker took with next_task(). `lap` names this assignment of the
 // slot; commit() succeeds only while the slot is still on that lap.
@@ -233,15 +298,37 @@ class Ring {
   // start, queued for `worker`. The slot must have been taken off the free
   // bitmap (pop_free_slot() or reclaim()).
   void assign(uint32_t slot, uint64_t seq, uint32_t worker, const void* task, size_t task_len);
-  // Waits until `slot` is READY with stamp `seq`.
+  // Waits until `slot` is READY with stamp `seq` (wait_any of one).
   WaitResult wait_ready(uint32_t slot, uint64_t seq, int64_t timeout_ns);
   // Waits until any of slots[i] is READY with stamp seqs[i]; *which = i.
+  // What completed is learnt from the completion queue, not by reading every
+  // slot: entries are taken into a process-local table of slots known READY
+  // (checked against the state word, so a stale entry is dropped), and the
+  // wanted slots are looked up there. All slots are read again (a rescan)
+  // when an entry may be missing: after each new death of a watched worker
+  // (it may have died between its READY and its push), when the queue lost
+  // entries, once a second while asleep, and before answering TimedOut. So
+  // the answer is the one a scan would give. Ready comes before WorkerDied
+  // (a dead worker's committed batch is still good), WorkerDied before
+  // sleeping. Safe to call from several threads of the main process.
   WaitResult wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n, int64_t timeout_ns,
                       size_t* which);
+  // Watches the life of worker `worker` through `fd` (a pidfd, or any fd
+  // that becomes readable when the process is gone; duplicated here): its
+  // death wakes the waits above, which answer WorkerDied until the worker is
+  // unwatched or watched again (a replacement). Main process only.
+  void watch_worker(uint32_t worker, int fd);
+  void unwatch_worker(uint32_t worker);
+  // Watched workers that died (see DeathWatch::dead()).
+  std::vector<uint32_t> dead_workers() const;
+  // How many times main read every slot instead of the queue (a debug view:
+  // a healthy ring with no deaths and no timed-out waits rescans never).
+  uint64_t rescan_count() const;
   bool is_ready(uint32_t slot, uint64_t seq) const;
   SlotResult result(uint32_t slot) const;
   void lease(uint32_t slot);    // READY -> LEASED
   void release(uint32_t slot);  // READY/LEASED -> FREE, back on the free bitmap
+  // Sets the shutdown flag, wakes every waiter, stops watching workers.
   void shutdown();
   bool is_shutdown() const;
   // After a worker died (or was given up on): empties its queue, bumps its
@@ -278,14 +365,23 @@ class Ring {
   WaitResult next_task(uint32_t worker, int64_t timeout_ns, TaskRef* out);
   CommitResult commit(uint32_t slot, const SlotResult& r);
 
+ public:
+  ~Ring();
+
  private:
   Ring(Segment seg, bool owner);
   ShmSlot& slot(uint32_t i) const;
   ShmWorker& worker(uint32_t i) const;
   void check_slot(uint32_t i) const;
   void check_worker(uint32_t i) const;
-  template <class Pred>
-  WaitResult wait_main(Pred ready, int64_t timeout_ns);
+  ShmCompletions& completions() const;
+  // wait_any's look: takes new completion entries, rescans if due, and
+  // looks the wanted slots up. cq_mu_ held.
+  bool find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, size_t* which);
+  void take_completions();  // cq_mu_ held
+  void rescan_slots();      // cq_mu_ held
+  bool any_dead() const;
+  void wake_main();
   enum class PopResult { Popped, Empty, Retired };
   PopResult try_pop(const WorkerTicket& me, TaskRef* out);
   void set_free_bit(uint32_t s);  // free_mu_ held
@@ -304,6 +400,23 @@ class Ring {
   // serving a worker touches its entries, but a test may share one object.
   std::unique_ptr<std::atomic<uint64_t>[]> local_generation_;
   std::unique_ptr<std::atomic<uint64_t>[]> local_lap_;
+  // Process-local (main only): the consumer side of the completion queue.
+  // cq_head_: the oldest position not yet taken; cq_taken_[pos % capacity]:
+  // taken out of order while an older position is still unwritten;
+  // ready_lap_[slot]: the lap under which the slot was seen READY (kNoLap:
+  // none), re-checked against the state word at every use; rescan_due_: an
+  // entry may be missing; rescanned_deaths_: deaths counted at the last
+  // rescan; rescans_: rescan_count(). All guarded by cq_mu_.
+  mutable std::mutex cq_mu_;
+  uint32_t cq_head_ = 0;
+  std::unique_ptr<bool[]> cq_taken_;
+  std::unique_ptr<uint64_t[]> ready_lap_;
+  bool rescan_due_ = false;
+  uint64_t rescanned_deaths_ = 0;
+  uint64_t rescans_ = 0;
+  // Main only (null in workers). Declared last: destroyed (its thread
+  // joined) before the mapping its wake-ups write to.
+  std::unique_ptr<DeathWatch> watch_;
 };
 
 // Layout arithmetic, shared by create() and the tests.

@@ -70,6 +70,15 @@ inline T bump_release(std::atomic<T>& a) {
   return a.fetch_add(1, std::memory_order_release);
 }
 
+// A ticket: a fetch-and-add whose only job is to give each caller a
+// different number (a position in the completion queue). It orders nothing;
+// what the holder then writes at that position is published by its own
+// store_release, which the reader pairs with a load_acquire.
+template <class T>
+inline T take_ticket(std::atomic<T>& a) {
+  return a.fetch_add(1, std::memory_order_relaxed);
+}
+
 // State transitions of a slot and claims of a queue entry: succeeds only
 // when `a` still holds `expected` (the state and lap the caller believes
 // in), so of two sides racing for one transition exactly one wins. On

@@ -78,6 +78,11 @@ class Child:
 
     # -- fastload's additions ---------------------------------------------------
     @property
+    def pidfd(self) -> Optional[int]:
+        """The child's pidfd, if this handle holds one (a zygote's child)."""
+        return None if self._closed else self._pidfd
+
+    @property
     def death_note(self) -> str:
         """What the child wrote before dying of an error at start-up, if anything."""
         self._read_note()

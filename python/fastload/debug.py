@@ -20,7 +20,7 @@ changes nothing: nothing in it starts, stops or signals a process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple, overload
+from typing import Any, List, Optional, Tuple, overload
 
 from torch.utils.data import DataLoader
 
@@ -75,6 +75,16 @@ class RingView:
     def worker_current_seq(self, worker: int) -> Optional[int]:
         """The task worker ``worker`` has in hand, as the ring records it, or None."""
         return self._ring.worker_current_seq(worker)
+
+    def dead_workers(self) -> List[int]:
+        """Workers whose death the ring's death watch saw and that were not
+        replaced or retired since (a wait answers WORKER_DIED meanwhile)."""
+        return self._ring.dead_workers()
+
+    def rescan_count(self) -> int:
+        """How many times the main process read every slot instead of the
+        completion queue (after deaths, timed-out waits, lost entries)."""
+        return self._ring.rescan_count()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RingView) and other._ring is self._ring

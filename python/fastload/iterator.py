@@ -61,7 +61,6 @@ from .wire import KIND_EXHAUSTED, encode_fetch
 log = logging.getLogger("fastload")
 
 _NO_INDEX = object()  # _try_put_index: draw the next index from the sampler
-_POLL_S = 0.1  # how often a waiting main process checks worker liveness
 
 
 class FastLoaderIter(_BaseDataLoaderIter):
@@ -291,9 +290,10 @@ class FastLoaderIter(_BaseDataLoaderIter):
 
     # ---- receiving ---------------------------------------------------------
     def _wait_one(self, deadline: Optional[float] = None) -> Optional[Record]:
-        """One round of waiting: a completed record, or None after up to
-        _POLL_S with the workers checked (NOTE [ Supervision ])."""
-        wait = _POLL_S
+        """One round of waiting: a completed record, or None with the workers
+        checked, after a worker died or the watchdog's interval passed
+        (NOTE [ Supervision ])."""
+        wait = self._supervisor.check_every
         if deadline is not None:
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         rec = self._ledger.wait(wait)

@@ -124,11 +124,14 @@ class SlotLedger:
         return any(not r.done for r in self._records.values())
 
     def wait(self, timeout: float) -> Optional[Record]:
-        """Wait up to ``timeout`` s for any in-flight record's result.
+        """Wait up to ``timeout`` s (``math.inf``: no limit) for any in-flight
+        record's result.
 
         A finished session or orphan is freed here and returned (the caller
         ignores it); a finished batch is marked done, its kind set, and
-        returned for the caller to take or discard. None: timed out.
+        returned for the caller to take or discard. None: timed out, or a
+        worker the pool watches died (the ring's wait returns at once; the
+        caller looks at its workers either way).
         """
         waiting = self.in_flight()
         if not waiting:

@@ -155,6 +155,9 @@ class WorkerPool:
         self.config = (ctx, num_workers, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
         self.num_workers = num_workers
+        # Whether every worker's death wakes the ring's waits (pidfds); if
+        # not, the iterator checks liveness between short waits.
+        self.deaths_watched = True
         self.procs: List[multiprocessing.process.BaseProcess] = []
         self._socks: List[socket.socket] = []
         self._stack_fds: List[int] = []  # one memfd per worker for its stack dump
@@ -251,6 +254,38 @@ class WorkerPool:
             self.procs[i] = p
         else:
             self.procs.append(p)
+        self._watch(i)
+
+    def _watch(self, i: int) -> None:
+        """Have worker ``i``'s death wake the main process's waits on the
+        ring (they answer WORKER_DIED): its pidfd, handed to the ring's
+        death watch (which keeps a duplicate). Where no pidfd can be had,
+        :attr:`deaths_watched` turns False and the iterator polls instead."""
+        p = self.procs[i]
+        fd = p.pidfd if isinstance(p, launch.Child) else None
+        owned: Optional[int] = None
+        if fd is None:
+            try:
+                fd = owned = os.pidfd_open(p.pid)  # type: ignore[arg-type]
+            except ProcessLookupError:
+                # Gone and reaped already: a pipe with no writer reads as
+                # ready at once, so the death is reported like any other.
+                owned, w = os.pipe()
+                os.close(w)
+                fd = owned
+            except OSError as e:  # no pidfd_open (kernel < 5.3)
+                log.debug("fastload: cannot watch worker %d through a pidfd (%s); "
+                          "polling its liveness instead", i, e)
+                self.deaths_watched = False
+                return
+        try:
+            self.ring.watch_worker(i, fd)
+        except RuntimeError as e:  # out of fds, or no thread to be had
+            log.warning("fastload: cannot watch worker %d (%s); polling its liveness instead", i, e)
+            self.deaths_watched = False
+        finally:
+            if owned is not None:
+                os.close(owned)
 
     @property
     def _zygote(self) -> Optional[Zygote]:
@@ -271,6 +306,7 @@ class WorkerPool:
         the old one has exited when this returns. Overflow fds it sent before
         dying are kept. The caller starts the new worker's session."""
         old = self.procs[w]
+        self.ring.unwatch_worker(w)  # its death is handled here
         if old.exitcode is None:
             old.kill()
         old.join(5.0)
@@ -302,6 +338,7 @@ class WorkerPool:
         processes, which exit on their own at their next look at the ring."""
         old = list(self.procs)
         for w, p in enumerate(old):
+            self.ring.unwatch_worker(w)  # it exits on purpose
             if p.exitcode is None and self.ring.worker_pid(w) == 0:
                 # Not attached to the ring yet (a previous iterator was dropped
                 # at once): it would attach to the new queue. No code of ours

@@ -1,9 +1,15 @@
 """Watching the workers: deaths, hangs, and restarts.
 
 NOTE [ Supervision ]
-The main process never blocks on a worker for long: the iterator waits on
-the ring in short rounds and, between rounds, calls :meth:`Supervisor.check`.
-It looks for
+The main process never blocks on a worker without a way out. The ring's
+wait returns when a batch completes, on a signal, at the end of its
+timeout, and, since the pool watches every worker's pidfd (the ring's death
+watch), as soon as a worker dies. After every wait that brought no batch,
+the iterator calls :meth:`Supervisor.check`, so a death is acted on at once,
+with no polling. The wait's timeout is only what the hang watchdog needs
+(:attr:`Supervisor.check_every`: a twentieth of ``hang_timeout``), or none
+at all without a watchdog; where a worker could not be watched (no pidfd)
+the iterator checks every 0.1 s instead. :meth:`Supervisor.check` looks for
 
 * **dead workers** (any exit, any signal): the epoch ends with DataLoader's
   message for the worker (its last words if it died starting up) and the
@@ -31,6 +37,7 @@ raising :class:`WorkerLost`; it never calls back into the iterator.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -40,6 +47,8 @@ from .ledger import Record, Role, SlotLedger
 from .pool import WorkerPool, describe_exit
 
 log = logging.getLogger("fastload")
+
+_POLL_S = 0.1  # how often liveness is checked where deaths do not wake the wait
 
 
 class WorkerLost(Exception):
@@ -82,6 +91,18 @@ class Supervisor:
         """Look at every worker once; raise :class:`WorkerLost` to end the epoch."""
         self._check_deaths()
         self._check_hangs()
+
+    @property
+    def check_every(self) -> float:
+        """How long a wait may last before :meth:`check` is due (seconds,
+        ``math.inf`` for no limit): a twentieth of ``hang_timeout``, so a hang
+        is reported within 5% of it; no limit without a watchdog, as deaths
+        wake the wait themselves (unless the pool could not watch them)."""
+        if not self._pool.deaths_watched:
+            return _POLL_S
+        if self.hang_timeout is None:
+            return math.inf
+        return max(0.01, self.hang_timeout / 20)
 
     def can_restart(self, n: int) -> bool:
         return self._restartable and self.restarts_left >= n

@@ -322,6 +322,7 @@ const char* wait_name(WaitResult r) {
     case WaitResult::Ready: return "Ready";
     case WaitResult::TimedOut: return "TimedOut";
     case WaitResult::Shutdown: return "Shutdown";
+    case WaitResult::WorkerDied: return "WorkerDied";
   }
   return "?";
 }

@@ -1,0 +1,179 @@
+"""A worker's death wakes the main process's wait on the ring.
+
+The ring watches each worker's pidfd; when one fires, a wait on the ring
+answers WORKER_DIED instead of sleeping to its timeout, and the iterator
+runs its supervision check at once. The tests wait with timeouts far longer
+than the test may take (or none at all) and assert on what the wait
+answered, never on how long it took.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from fastload import FastLoader, _core
+from fastload.debug import debug_view
+from support import KILLED_RE
+from support.faults import Misbehave
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux 5.3+)")
+
+LONG = 600.0  # a timeout no passing test reaches
+
+
+@pytest.fixture
+def alarm() -> Iterator[None]:
+    """Turn a wait that never ends into a failure: SIGALRM interrupts the
+    ring's futex wait, and the handler's exception reaches the test."""
+
+    def ring_never_woke(signum: int, frame: object) -> None:
+        raise TimeoutError("the wait was not woken by the worker's death")
+
+    old = signal.signal(signal.SIGALRM, ring_never_woke)
+    signal.alarm(120)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _wait(ring: "_core.Ring", slot: int, seq: int) -> "_core.WaitResult":
+    """wait_any with a timeout no passing test reaches. A signal (SIGCHLD,
+    where a handler is installed) interrupts the wait, which then answers
+    TIMED_OUT so that Python can run the handler: wait again, as the
+    iterator does (the ``alarm`` fixture ends a wait that never ends)."""
+    while True:
+        status, which = ring.wait_any([slot], [seq], LONG)
+        if status != _core.WaitResult.TIMED_OUT:
+            assert which == (0 if status == _core.WaitResult.READY else -1)
+            return status
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def _kill_soon(proc: subprocess.Popen, after: float = 0.2) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(after), proc.kill()), daemon=True)
+    t.start()
+    return t
+
+
+def _ring_with_a_task() -> "tuple[_core.Ring, int]":
+    """A ring whose one task nobody will ever make."""
+    ring = _core.Ring.create(2, 2, 4096)
+    slot = ring.pop_free_slot()
+    assert slot is not None
+    ring.assign(slot, 11, 1, b"task")
+    return ring, slot
+
+
+def test_sigkill_wakes_wait_any(alarm: None) -> None:
+    ring, slot = _ring_with_a_task()
+    proc = _sleeper()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        ring.watch_worker(0, pidfd)
+        os.close(pidfd)  # the ring keeps its own duplicate
+        assert ring.wait_any([slot], [11], 0.01) == (_core.WaitResult.TIMED_OUT, -1)
+        _kill_soon(proc)
+        assert _wait(ring, slot, 11) == _core.WaitResult.WORKER_DIED
+        assert ring.dead_workers() == [0]
+        # Reported until acted on: the next wait answers the same at once.
+        assert _wait(ring, slot, 11) == _core.WaitResult.WORKER_DIED
+        ring.unwatch_worker(0)
+        assert ring.dead_workers() == []
+        assert ring.wait_any([slot], [11], 0.01) == (_core.WaitResult.TIMED_OUT, -1)
+    finally:
+        proc.kill()
+        proc.wait()
+        ring.shutdown()
+
+
+def test_a_replacement_clears_the_death(alarm: None) -> None:
+    ring, slot = _ring_with_a_task()
+    dead, live = _sleeper(), _sleeper()
+    try:
+        for proc in (dead, live):
+            pidfd = os.pidfd_open(proc.pid)
+            ring.watch_worker(0 if proc is dead else 1, pidfd)
+            os.close(pidfd)
+        _kill_soon(dead)
+        assert _wait(ring, slot, 11) == _core.WaitResult.WORKER_DIED
+        pidfd = os.pidfd_open(live.pid)
+        ring.watch_worker(0, pidfd)  # worker 0 replaced by a live process
+        os.close(pidfd)
+        assert ring.wait_any([slot], [11], 0.01)[0] == _core.WaitResult.TIMED_OUT
+    finally:
+        for proc in (dead, live):
+            proc.kill()
+            proc.wait()
+        ring.shutdown()
+
+
+def test_ready_comes_before_the_death(alarm: None) -> None:
+    """A batch the dead worker committed is still delivered first."""
+    ring = _core.Ring.create(2, 1, 4096)
+    slot = ring.pop_free_slot()
+    assert slot is not None
+    ring.assign(slot, 3, 0, b"task")
+    status, got, seq, _ = ring.next_task(0, 1.0)
+    assert (status, got, seq) == (_core.WaitResult.READY, slot, 3)
+    ring.commit(slot, 0, 0, 0, 0)
+    proc = _sleeper()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        ring.watch_worker(0, pidfd)
+        os.close(pidfd)
+        proc.kill()
+        proc.wait()
+        assert _wait(ring, slot, 3) == _core.WaitResult.READY
+        ring.release(slot)
+        other = ring.pop_free_slot()
+        assert other is not None
+        ring.assign(other, 4, 0, b"task")
+        assert _wait(ring, other, 4) == _core.WaitResult.WORKER_DIED
+    finally:
+        ring.shutdown()
+
+
+def test_watch_worker_checks_its_arguments() -> None:
+    ring = _core.Ring.create(1, 1, 4096)
+    with pytest.raises(IndexError):
+        ring.watch_worker(1, 0)
+    with pytest.raises(RuntimeError, match="cannot watch worker 0"):
+        ring.watch_worker(0, 1 << 20)  # not an open fd
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+def test_a_killed_worker_ends_an_epoch_that_waits_forever(tmp_path, alarm: None, ctx) -> None:
+    """No timeout and no hang watchdog: the iterator's waits have no end but
+    a batch or a death, and a SIGKILLed worker is still reported."""
+    ds = Misbehave(16, {5: "kill"})
+    loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None, timeout=0,
+                        max_worker_restarts=0, multiprocessing_context=ctx)
+    with pytest.raises(RuntimeError, match=KILLED_RE):
+        list(loader)
+
+
+def test_a_restart_under_waits_without_end(tmp_path, alarm: None) -> None:
+    """The replacement is watched in place of the dead worker; the epoch and
+    the next ones finish."""
+    ds = Misbehave(16, {5: "kill"}, once=os.fspath(tmp_path / "failed"), width=3)
+    loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None,
+                        max_worker_restarts=1)
+    for _ in range(3):  # later epochs retire and fork workers: no death is reported
+        got = sorted(int(x) for b in loader for x in b[:, 0])
+        assert got == list(range(16))
+        pool = debug_view(loader).idle_pool
+        assert pool is not None and pool.ring.dead_workers() == []
+    assert (tmp_path / "failed").exists()
