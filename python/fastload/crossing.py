@@ -246,7 +246,7 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     context, payload): DataLoader's default on Linux is fork, so fastload
     does what DataLoader does for this dataset, and says so once per loader
     (``state.warned_fork``)."""
-    from .pool import default_context
+    from .lineage import default_context
 
     try:
         return pack(payload, "dataset, collate_fn and worker_init_fn",

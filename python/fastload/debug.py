@@ -165,7 +165,8 @@ class LoaderView:
 
 def _pool_view(pool: WorkerPool) -> PoolView:
     pinner = pool.pinner
-    zygote = pool._zygote
+    lineage = pool.lineage
+    zygote = lineage.current if lineage is not None else None
     return PoolView(
         pids=pool.pids,
         processes=tuple(pool.procs),
@@ -174,9 +175,9 @@ def _pool_view(pool: WorkerPool) -> PoolView:
         pinned=pinner is not None,
         pin_failed=pinner.failed if pinner is not None else None,
         pinned_bytes=pinner.registered_bytes() if pinner is not None else 0,
-        zygote_pids=tuple(z.launched_pid for z in pool._zygotes),
-        preloaded=pool._preloaded is not None,
-        inherited=tuple(n is not None and n == pool._preloaded for n in pool._forked_with),
+        zygote_pids=tuple(z.launched_pid for z in lineage.zygotes) if lineage is not None else (),
+        preloaded=lineage is not None and lineage.preloaded is not None,
+        inherited=tuple(lineage is not None and lineage.inherits(w) for w in range(pool.num_workers)),
     )
 
 

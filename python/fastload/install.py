@@ -30,7 +30,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from .iterator import FastLoaderIter
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
 from .launch import Zygote
-from .pool import start_zygote
+from .lineage import start_zygote
 from .warm import LoaderState, stop_spare_zygotes
 
 __all__ = ["install", "uninstall", "installed"]

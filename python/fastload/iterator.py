@@ -11,7 +11,9 @@ rest belongs to its parts, each driven by it and returning what happened:
 * :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
 * :class:`fastload.reader.SlotReader`: a done slot back into a batch;
-* :class:`fastload.warm.LoaderState` (the loader's): the pool, kept warm.
+* :class:`fastload.warm.LoaderState` (the loader's): the pool, kept warm;
+* :class:`fastload.iterator_resume.ResumeMixin`: its position, for
+  ``state_dict()``, and getting back to one.
 
 NOTE [ Ordering ]
 Batch ``n`` goes to the next active worker in round-robin order, as in
@@ -43,7 +45,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
@@ -51,8 +53,10 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import crossing, resume
 from .device import DevicePrefetcher
+from .iterator_resume import ResumeMixin
 from .ledger import Record, Role
-from .pool import WorkerPool, default_context
+from .lineage import default_context
+from .pool import WorkerPool
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
 from .warm import LoaderState
@@ -63,7 +67,7 @@ log = logging.getLogger("fastload")
 _NO_INDEX = object()  # _try_put_index: draw the next index from the sampler
 
 
-class FastLoaderIter(_BaseDataLoaderIter):
+class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
     """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
 
     def __init__(self, loader: DataLoader, state: LoaderState, *, stream_ops: Any = None,
@@ -106,6 +110,17 @@ class FastLoaderIter(_BaseDataLoaderIter):
             # Overlapping the copy needs pinned memory: pin the ring too.
             self._pin_memory = True
             self._pin_memory_device = "cuda"
+        self._open_pool(loader, state, device_runtime)
+        try:
+            self._start_session(state, saved)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    def _open_pool(self, loader: DataLoader, state: LoaderState, device_runtime: Any) -> None:
+        """Pack the session, take a pool (warm or new) and set up its parts."""
+        opts = state.options
         self._blob, ctx, inherited = crossing.pack_session(
             (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
              self._auto_collation, self._drop_last),
@@ -126,22 +141,22 @@ class FastLoaderIter(_BaseDataLoaderIter):
             restartable=self._dataset_kind == _DatasetKind.Map,
             start_session=functools.partial(restart_session, pool, self._blob, self._base_seed,
                                             self._book, self._reader))
+
+    def _start_session(self, state: LoaderState, saved: Optional[dict]) -> None:
+        """Wait out what a previous iterator left in flight, then start this
+        iterator's session on the workers (put back to ``saved``'s states)."""
+        assert self._pool is not None
         workers = None
         if saved is not None:
             mid_epoch = saved["position"] is not None
             workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
             self._book.resumed([w and w[0] for w in workers],
                                [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
-        try:
-            self._ledger.drain(self._wait_one)  # what a previous iterator left in flight
-            self._trim_slots(state)
-            self._ledger.make_free(self._num_workers)
-            pool.start_session(self._blob, self._base_seed, resume=workers,
-                               preload_timeout=opts.hang_timeout)
-        except BaseException:
-            self._shutdown_workers()
-            raise
-        self._reset(loader, first_iter=True)
+        self._ledger.drain(self._wait_one)
+        self._trim_slots(state)
+        self._ledger.make_free(self._num_workers)
+        self._pool.start_session(self._blob, self._base_seed, resume=workers,
+                                 preload_timeout=state.options.hang_timeout)
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
@@ -195,43 +210,6 @@ class FastLoaderIter(_BaseDataLoaderIter):
         finally:
             if replay is not None:
                 replay.done()
-
-    def _fast_forward(self, saved: dict, loader: Any) -> Tuple[int, resume.Replay]:
-        """A resumed epoch: draw the order again from the saved state and skip
-        the delivered batches' indices; returns the worker the first
-        undelivered batch goes to, and the replay to end once the pipeline
-        is primed (NOTE [ Resume ])."""
-        first, ahead = saved["position"], saved["delivered_ahead"]
-        resume.draw_as_usual(self._sampler_iter)
-        replay = resume.Replay(saved["epoch_start"])
-        replay.rewind(loader)
-        if saved["epoch_start"]["first_iter"]:  # as DataLoader's iterator began that epoch:
-            iter(self._index_sampler)  # an iterator in __init__, then the base seed,
-            resume.draw_base_seed(loader)
-        self._sampler_iter = iter(self._index_sampler)  # then its first _reset()
-        self._book.new_epoch(saved["epoch_start"], 0, first, ahead)
-        for _ in range(first):
-            try:
-                _BaseDataLoaderIter._next_index(self)
-            except StopIteration:
-                self._sampler_done = True
-                break
-        self._drawn = self._send_idx = self._rcvd_idx = first
-        self._num_yielded = first + len(ahead)
-        self._skip_draw, self._skip_send = set(ahead), set(ahead)
-        self._workers_status = list(saved["workers_active"])
-        return int(saved["next_worker"]), replay
-
-    def _next_index(self) -> Any:
-        """The sampler's next index; a resumed epoch skips those of batches
-        delivered before the state was saved."""
-        while self._drawn in self._skip_draw:
-            self._skip_draw.discard(self._drawn)
-            self._drawn += 1
-            super()._next_index()
-        index = super()._next_index()
-        self._drawn += 1
-        return index
 
     def _trim_slots(self, state: Optional[LoaderState]) -> None:
         """An epoch starts: free slots give back the pages an outlier batch
@@ -412,30 +390,6 @@ class FastLoaderIter(_BaseDataLoaderIter):
             else:  # no host-register call: copy as DataLoader's pin thread does
                 data = pin_memory(data, self._pin_memory_device)
         return data
-
-    # ---- resume (NOTE [ Resume ]) -----------------------------------------
-    def resume_state(self) -> Dict[str, Any]:
-        """This iterator's position, for ``FastLoader.state_dict()``."""
-        if self._fatal is not None:
-            raise RuntimeError(f"state_dict: the loader's iterator failed: {self._fatal}")
-        book = self._book
-        book.fold(self._num_yielded)
-        persistent = self._persistent_workers
-        if self._finished:
-            return {"position": None, "base_seed": self._base_seed if persistent else None,
-                    "workers": book.worker_states() if persistent else [None] * self._num_workers}
-        first = book.first_undelivered
-        rec = self._task_info.get(first)
-        return {
-            "position": first, "delivered_ahead": book.ahead(),
-            "epoch_start": book.start, "base_seed": self._base_seed,
-            "next_worker": rec.worker if rec is not None else self._cycle_next,
-            # A replica seen to end that still has undelivered batches is
-            # active for the resumed epoch: it makes them again, then ends.
-            "workers_active": [self._workers_status[w] or any(
-                r.worker == w for r in self._task_info.values()) for w in range(self._num_workers)],
-            "workers": book.worker_states(),
-        }
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
     def _hand_back_pool(self) -> None:

@@ -14,113 +14,27 @@ clean-up: a memfd disappears with the last process holding it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _core, crossing, launch
-from .launch import Zygote
 from ._ring import FdHandle, RingHandle
+from .deaths import dump_stack
+from .launch import Zygote
 from .ledger import Record, Role, SlotLedger
-from .wire import STACK_SIGNAL, encode_session, hidden_env, recv_overflow, send_session
+from .lineage import Lineage, launcher_of
+from .teardown import stop_pool
+from .wire import encode_session, hidden_env, recv_overflow, send_session
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")
 
 _WORKER_MAIN = "fastload.worker:worker_main"
-
-
-def launcher_of(ctx: Any) -> Optional[str]:
-    """'zygote' or 'spawn' when fastload starts the workers itself (they then
-    never run ``__main__``), None for a multiprocessing context that forks
-    from this process (workers inherit the dataset, as DataLoader's)."""
-    if ctx == ZYGOTE:
-        return "zygote"
-    method = ctx if isinstance(ctx, str) else ctx.get_start_method()
-    if method == "spawn":
-        return "spawn"
-    if method == "forkserver":  # a fork server that imports nothing of __main__
-        return "zygote"
-    return None
-
-
-def _stop(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
-          socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0) -> None:
-    """Stop workers and release our ends; idempotent; safe at interpreter exit.
-
-    In a process forked from the owner (which inherited the pool object and
-    may collect it) only this process's copies of the fds are closed: the
-    ring, the workers and the zygote are the owner's."""
-    if os.getpid() != owner_pid:
-        _close_fds(socks, overflow_fds, stack_fds, ring)
-        return
-    try:
-        ring.shutdown()
-    except Exception:  # pragma: no cover - never let clean-up raise
-        pass
-    for i, p in enumerate(procs):
-        try:
-            # Still starting (importing torch): it would only see the
-            # shutdown flag seconds from now. Nothing of ours runs in it yet.
-            if p.pid is not None and ring.worker_pid(i) == 0 and p.is_alive():
-                p.terminate()
-        except Exception:  # pragma: no cover
-            pass
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            if p.pid is not None:
-                p.join(max(0.0, deadline - time.monotonic()))
-        except Exception:  # pragma: no cover
-            pass
-    for p in procs:
-        try:
-            if p.pid is not None and p.is_alive():
-                log.warning("fastload worker pid %s did not stop in %.1fs; terminating it",
-                            p.pid, grace_s)
-                p.terminate()
-                p.join(1.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join(1.0)
-        except Exception:  # pragma: no cover
-            pass
-    for zygote in zygotes:  # after its workers
-        try:
-            zygote.stop()
-        except Exception:  # pragma: no cover
-            pass
-    for p in procs:
-        if isinstance(p, launch.Child):
-            p.close()  # its pidfd and death-note pipe; its exit code stays readable
-    _close_fds(socks, overflow_fds, stack_fds, ring)
-
-
-def _close_fds(socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-               ring: "_core.Ring") -> None:
-    for fd in [*overflow_fds.values(), *stack_fds]:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover
-            pass
-    overflow_fds.clear()
-    stack_fds.clear()
-    for s in socks:
-        try:
-            s.close()
-        except Exception:  # pragma: no cover
-            pass
-    try:
-        ring.close_fd()
-    except Exception:  # pragma: no cover
-        pass
 
 
 class WorkerPool:
@@ -178,24 +92,16 @@ class WorkerPool:
         self._inherited = inherited
         if inherited is not None and self._launcher is not None:
             raise ValueError("fastload: an inherited session needs workers forked from this process")
-        # Every zygote this pool used (a lost one is replaced when a worker
-        # must be restarted); the last is the current one.
-        self._zygotes: List[Zygote] = []
+        # Zygote workers: the zygotes they fork from, and the session the
+        # current one holds (None for spawned or forked workers).
+        self.lineage: Optional[Lineage] = None
         if self._launcher == "zygote":
-            self._zygotes.append(zygote if zygote is not None else start_zygote(hide_accelerators))
+            self.lineage = Lineage(num_workers, hide_accelerators, zygote)
         elif zygote is not None:
             zygote.stop()
-        # Preloading (zygote workers): the number of the session the current
-        # zygote holds (None: none), the zygote holding it, and, per worker,
-        # the session it was forked with. Sessions are numbered per pool.
-        self._session_numbers = itertools.count(1)
-        self._preloaded: Optional[int] = None
-        self._preload_zygote: Optional[Zygote] = None
-        self._forked_with: List[Optional[int]] = [None] * num_workers
-        self._preload_ok = True  # False once a session of this pool could not be preloaded
-        self._finalizer = weakref.finalize(self, _stop, self.ring, self.procs, self._socks,
-                                           self._overflow_fds, self._stack_fds, self._zygotes,
-                                           os.getpid())
+        self._finalizer = weakref.finalize(
+            self, stop_pool, self.ring, self.procs, self._socks, self._overflow_fds, self._stack_fds,
+            self.lineage.zygotes if self.lineage is not None else [], os.getpid())
         self._ctx = ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
@@ -239,11 +145,8 @@ class WorkerPool:
             else:
                 parcel = crossing.pack(spec, "worker spec")
                 try:
-                    if self._launcher == "zygote":
-                        zygote = self._current_zygote()
-                        p = zygote.start(_WORKER_MAIN, parcel)
-                        self._forked_with[i] = (self._preloaded if zygote is self._preload_zygote
-                                                else None)
+                    if self.lineage is not None:
+                        p = self.lineage.fork(i, _WORKER_MAIN, parcel)
                     else:
                         p = launch.spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
                 finally:
@@ -286,20 +189,6 @@ class WorkerPool:
         finally:
             if owned is not None:
                 os.close(owned)
-
-    @property
-    def _zygote(self) -> Optional[Zygote]:
-        return self._zygotes[-1] if self._zygotes else None
-
-    def _current_zygote(self) -> Zygote:
-        """The zygote to fork from; a new one if the last was lost (the OOM
-        killer likes its size)."""
-        zygote = self._zygotes[-1]
-        if zygote.gone():
-            log.warning("fastload: the zygote the workers are forked from is gone; "
-                        "starting a new one")
-            self._zygotes.append(start_zygote(self._hide))
-        return self._zygotes[-1]
 
     def replace_worker(self, w: int) -> None:
         """Replace dead (or hung: it is killed) worker ``w`` by a new process;
@@ -353,24 +242,8 @@ class WorkerPool:
         """A new session of a zygote pool: retire the workers, have the
         zygote preload ``parcel`` and fork fresh workers from it."""
         old = self._retire_workers()
-        self._preloaded = self._preload_zygote = None
-        number = next(self._session_numbers)
-        if self._preload_ok:
-            zygote = self._current_zygote()
-            outcome, why = zygote.preload(parcel, number, timeout)
-            if outcome == launch.PRELOADED:
-                self._preloaded, self._preload_zygote = number, zygote
-            else:
-                # The dataset is the same next epoch: don't pay its unpickling
-                # in the zygote again. Each worker unpickles its own copy.
-                self._preload_ok = False
-                level = logging.DEBUG if outcome == launch.DECLINED else logging.WARNING
-                log.log(level, "fastload: workers unpickle the dataset themselves "
-                               "(not shared through the zygote): %s", why)
-                if outcome != launch.DECLINED:
-                    # Threads or a GPU context in it, or stuck: fork from a new one.
-                    zygote.stop()
-                    self._zygotes.append(start_zygote(self._hide))
+        assert self.lineage is not None
+        self.lineage.preload(parcel, timeout)
         # The retired workers are gone before new ones attach (one queue each).
         deadline = time.monotonic() + 2.0
         for p in old:
@@ -439,9 +312,9 @@ class WorkerPool:
         try:
             records = []
             for w in targets:
-                number = self._forked_with[w]
-                if number is not None and number == self._preloaded:
-                    task = encode_session(base_seed, resume=states[w], preloaded=number)
+                if self.lineage is not None and self.lineage.inherits(w):
+                    task = encode_session(base_seed, resume=states[w],
+                                          preloaded=self.lineage.preloaded)
                 else:
                     if fd is None:
                         fd = launch.memfd_of(parcel.data)
@@ -461,29 +334,8 @@ class WorkerPool:
 
     def worker_stack(self, worker: int, wait_s: float = 0.5) -> str:
         """The worker's Python stack, dumped by faulthandler on request."""
-        fd = self._stack_fds[worker]
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)  # the offset is shared with the worker's dup
-        pid: int = self.procs[worker].pid  # type: ignore[assignment]
-        note = ""
-        try:
-            if _is_stopped(pid):  # SIGSTOP/SIGTSTP: it could not answer
-                os.kill(pid, signal.SIGCONT)
-                note = "(the worker was stopped by a signal; it was resumed to dump this)\n"
-            os.kill(pid, STACK_SIGNAL)
-        except ProcessLookupError:
-            return "(the worker is gone)"
-        deadline = time.monotonic() + wait_s
-        text = b""
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            text = os.pread(fd, 1 << 20, 0)
-            if text.endswith(b"\n") and b"most recent call first" in text:
-                time.sleep(0.05)  # let the other threads' stacks follow
-                text = os.pread(fd, 1 << 20, 0)
-                break
-        stack = text.decode(errors="replace").rstrip() or "(no stack: the worker did not answer)"
-        return note + stack
+        return dump_stack(self.procs[worker].pid, self._stack_fds[worker],  # type: ignore[arg-type]
+                          wait_s)
 
     def dead_workers(self) -> List[Tuple[int, int, int]]:
         """(worker id, pid, exit code) of every worker that has exited."""
@@ -529,47 +381,3 @@ def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
     fn = method()
     if fn is not None:
         fn(*args)
-
-
-def _is_stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
-
-
-def describe_exit(pid: int, exitcode: int, note: str = "") -> str:
-    """DataLoader's wording for a worker that died; with the worker's own
-    last words when it left some (an error at start-up)."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-            desc = signal.strsignal(-exitcode) or name
-        except ValueError:
-            desc = f"signal {-exitcode}"
-        return f"DataLoader worker (pid {pid}) is killed by signal: {desc}. "
-    if note:
-        return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
-                f"It failed with:\n{note}\n")
-    return (
-        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
-        "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
-        "better error trace. "
-    )
-
-
-# multiprocessing_context=None: each pool forks its workers from a zygote of
-# its own (fastload.launch.Zygote). An explicit 'spawn' is always real spawn.
-ZYGOTE = "fastload-zygote"
-
-
-def start_zygote(hide_accelerators: bool) -> Zygote:
-    """A zygote launched now, in the background (see launch.Zygote)."""
-    return Zygote(hide_accelerators, env=hidden_env(hide_accelerators))
-
-
-def default_context() -> Any:
-    return ZYGOTE
-
-

@@ -44,7 +44,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import resume
 from .errors import WorkerHangError, as_list, short_list
 from .ledger import Record, Role, SlotLedger
-from .pool import WorkerPool, describe_exit
+from .deaths import describe_exit
+from .pool import WorkerPool
 
 log = logging.getLogger("fastload")
 

@@ -25,7 +25,8 @@ from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
 from .launch import Zygote
 from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .pool import ZYGOTE, WorkerPool, start_zygote
+from .lineage import ZYGOTE, start_zygote
+from .pool import WorkerPool
 
 _MIN_SLOT_BYTES = 1 << 20
 _DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
