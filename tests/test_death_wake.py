@@ -177,3 +177,19 @@ def test_a_restart_under_waits_without_end(tmp_path, alarm: None) -> None:
         pool = debug_view(loader).idle_pool
         assert pool is not None and pool.ring.dead_workers() == []
     assert (tmp_path / "failed").exists()
+
+
+def test_batches_a_live_worker_owes_first_come_before_the_death(alarm: None) -> None:
+    """Worker 0 dies on batch 2 while the loop waits for batch 1, which
+    worker 1 makes slowly: batch 1 is still delivered (as DataLoader
+    delivers what arrives before its check of the workers), and the error
+    comes when the loop needs the dead worker's batch, naming it."""
+    ds = Misbehave(16, {2: "sleep", 4: "kill"}, seconds=1.0)
+    loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None,
+                        max_worker_restarts=0)
+    it = iter(loader)
+    got = [next(it).tolist(), next(it).tolist()]
+    with pytest.raises(RuntimeError, match=KILLED_RE) as info:
+        next(it)
+    assert got == [[0, 1], [2, 3]]
+    assert "batch(es) 2" in str(info.value)

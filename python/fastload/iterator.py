@@ -267,30 +267,38 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             self._try_put_index(self._owed.pop(0))
 
     # ---- receiving ---------------------------------------------------------
-    def _wait_one(self, deadline: Optional[float] = None) -> Optional[Record]:
+    def _wait_one(self, deadline: Optional[float] = None,
+                  needed: Optional[int] = None) -> Optional[Record]:
         """One round of waiting: a completed record, or None with the workers
         checked, after a worker died or the watchdog's interval passed
         (NOTE [ Supervision ])."""
+        if self._supervisor.deaths_deferred:
+            self._check(needed)
         wait = self._supervisor.check_every
         if deadline is not None:
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         rec = self._ledger.wait(wait)
         if rec is not None:
             return rec
-        try:
-            self._supervisor.check()
-        except WorkerLost as lost:
-            self._fatal = str(lost.error)
-            self._shutdown_workers()
-            raise lost.error from None
+        self._check(needed)
         if deadline is not None and time.monotonic() >= deadline:
             self._fail(f"DataLoader timed out after {self._timeout} seconds")
         return None
 
-    def _receive_one(self, deadline: Optional[float]) -> Record:
-        """Block until some batch of this iterator has a result."""
+    def _check(self, needed: Optional[int]) -> None:
+        """The supervisor's look at the workers; a lost worker ends the iterator."""
+        try:
+            self._supervisor.check(needed)
+        except WorkerLost as lost:
+            self._fatal = str(lost.error)
+            self._shutdown_workers()
+            raise lost.error from None
+
+    def _receive_one(self, deadline: Optional[float], needed: Optional[int]) -> Record:
+        """Block until some batch of this iterator has a result (``needed``:
+        the worker owing the batch due next, see Supervisor.check)."""
         while True:
-            rec = self._wait_one(deadline)
+            rec = self._wait_one(deadline, needed)
             if rec is not None and rec.role is Role.BATCH:
                 return rec
 
@@ -334,7 +342,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
             if self._shutdown or self._tasks_outstanding <= 0:
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
-            got = self._receive_one(deadline)
+            got = self._receive_one(deadline, rec.worker if self._in_order else None)
             self._tasks_outstanding -= 1
             if got.kind == KIND_EXHAUSTED:
                 self._ledger.discard(got)

@@ -14,7 +14,10 @@ the iterator checks every 0.1 s instead. :meth:`Supervisor.check` looks for
 * **dead workers** (any exit, any signal): the epoch ends with DataLoader's
   message for the worker (its last words if it died starting up) and the
   batches it held; or, with ``max_worker_restarts``, the worker is replaced
-  (:meth:`Supervisor.restart`);
+  (:meth:`Supervisor.restart`). The epoch ends when the loop needs one of
+  the dead worker's batches: batches that live workers owe before that are
+  still delivered, so when the error comes does not depend on which
+  process the scheduler ran first;
 * **hung workers**: each worker bumps a progress counter in the ring at
   every pop and commit. A worker that should be working (it holds a batch,
   or has one queued: a worker stopped between two tasks holds up the epoch
@@ -39,7 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import resume
 from .errors import WorkerHangError, as_list, short_list
@@ -87,11 +90,27 @@ class Supervisor:
         self._restartable = restartable
         self._start_session = start_session
         self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
+        # Dead workers whose error waits until the loop needs one of their
+        # batches (see check); the ring no longer wakes waits for them.
+        self._deferred: Set[int] = set()
 
-    def check(self) -> None:
-        """Look at every worker once; raise :class:`WorkerLost` to end the epoch."""
-        self._check_deaths()
+    def check(self, needed: Optional[int] = None) -> None:
+        """Look at every worker once; raise :class:`WorkerLost` to end the epoch.
+
+        ``needed``: the worker whose batch the loop waits for, in order. A
+        worker that died (and cannot be restarted) while another, live one
+        owes that batch does not end the epoch yet: the batches before its
+        own are delivered first, as DataLoader delivers what arrives before
+        its check of the workers, and the error comes when the loop needs
+        one of the dead worker's batches (or with ``needed=None``, at once)."""
+        self._check_deaths(needed)
         self._check_hangs()
+
+    @property
+    def deaths_deferred(self) -> bool:
+        """A death is known that :meth:`check` has not raised yet: check
+        before waiting, as no wait wakes for it any more."""
+        return bool(self._deferred)
 
     @property
     def check_every(self) -> float:
@@ -109,13 +128,19 @@ class Supervisor:
         return self._restartable and self.restarts_left >= n
 
     # ---- deaths --------------------------------------------------------------
-    def _check_deaths(self) -> None:
+    def _check_deaths(self, needed: Optional[int]) -> None:
         dead = self._pool.dead_workers()
         if not dead:
             return
         if self.can_restart(len(dead)):
             for wid, pid, code in dead:
                 self.restart(wid, describe_exit(pid, code).strip())
+            return
+        if needed is not None and needed not in {wid for wid, _pid, _code in dead}:
+            for wid, _pid, _code in dead:
+                if wid not in self._deferred:
+                    self._deferred.add(wid)
+                    self._ring.unwatch_worker(wid)  # else every wait would wake for it
             return
         msgs = []
         for wid, pid, code in dead:
