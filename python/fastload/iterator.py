@@ -430,7 +430,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
     def __del__(self) -> None:
         if getattr(self, "_owner_pid", None) != os.getpid():
             # A forked child collecting its inherited copy: the pool, its
-            # slots and workers are the parent's (pool._stop closes our fds).
+            # slots and workers are the parent's (teardown.stop_pool closes our fds).
             return
         try:
             if getattr(self, "_persistent_workers", True):
