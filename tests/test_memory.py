@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
+from fastload.bench.copy_on_read import ManyPaths, int_collate
 from fastload.debug import debug_view
-from support.datasets import ManyPaths, int_collate
 
 OUTLIER = 5
 BIG = 48 << 20  # bytes of the outlier sample; the others are 64 KiB

@@ -170,27 +170,6 @@ class PastTheEnd(Sampler):
 # collate functions
 
 
-class ManyPaths(Dataset):
-    """A file list as many real datasets hold one: ``n`` short path strings
-    and their labels in plain Python lists (what a worker that unpickles the
-    dataset itself pays a copy of). Sample i reads both."""
-
-    def __init__(self, n: int) -> None:
-        self.paths = [f"/data/train/{i % 1000:03d}/img_{i:08d}.jpg" for i in range(n)]
-        self.labels = [i % 1000 for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> int:
-        return len(self.paths[i]) + self.labels[i]
-
-
-def int_collate(batch: List[int]) -> torch.Tensor:
-    """A batch of Python ints as one tensor."""
-    return torch.tensor(batch)
-
-
 def keep_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
     """For ``{"t": tensor, "extra": anything}`` samples: stacks the tensors,
     keeps the extras as they are."""
