@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "ring.h"
+#include "stress_support.h"
 
 namespace {
 
@@ -58,6 +59,11 @@ using fastload::SlotState;
 using fastload::TaskRef;
 using fastload::WaitResult;
 using fastload::sync::monotonic_ns;
+using fastload_stress::Checker;
+using fastload_stress::current_tid;
+using fastload_stress::Failure;
+using fastload_stress::sleep_us;
+using fastload_stress::wait_name;
 
 constexpr int64_t kMs = 1000000;
 constexpr uint64_t kMagic = 0x51434c4446ULL;
@@ -106,66 +112,6 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
-struct Failure : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// check() records and goes on; require() throws. Thread-safe counts (worker
-// threads check too).
-class Checker {
- public:
-  uint64_t passed() const { return passed_.load(); }
-  uint64_t failed() const { return failed_.load(); }
-  void set_who(std::string who) { who_ = std::move(who); }
-
-  __attribute__((format(printf, 3, 4))) bool check(bool ok, const char* fmt, ...) {
-    if (ok) {
-      passed_.fetch_add(1);
-      return true;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    report(fmt, ap);
-    va_end(ap);
-    return false;
-  }
-  __attribute__((format(printf, 3, 4))) void require(bool ok, const char* fmt, ...) {
-    if (ok) {
-      passed_.fetch_add(1);
-      return;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    const std::string msg = report(fmt, ap);
-    va_end(ap);
-    throw Failure(msg);
-  }
-
- private:
-  std::string report(const char* fmt, va_list ap) {
-    const uint64_t n = failed_.fetch_add(1) + 1;
-    char buf[1024];
-    std::vsnprintf(buf, sizeof buf, fmt, ap);
-    if (n <= 20) std::fprintf(stderr, "FAIL [%s] %s\n", who_.c_str(), buf);
-    return buf;
-  }
-  std::string who_ = "main";
-  std::atomic<uint64_t> passed_{0};
-  std::atomic<uint64_t> failed_{0};
-};
-
-const char* wait_name(WaitResult r) {
-  switch (r) {
-    case WaitResult::Ready: return "Ready";
-    case WaitResult::TimedOut: return "TimedOut";
-    case WaitResult::Shutdown: return "Shutdown";
-    case WaitResult::WorkerDied: return "WorkerDied";
-  }
-  return "?";
-}
-
-void sleep_us(uint64_t us) { std::this_thread::sleep_for(std::chrono::microseconds(us)); }
-uint32_t current_tid() { return static_cast<uint32_t>(::syscall(SYS_gettid)); }
 uint32_t kind_of(uint64_t seq) { return static_cast<uint32_t>(seq & 0xffff); }
 
 // The shared structs of `ring`, for the fault tests, which play a worker
@@ -210,10 +156,7 @@ void many_producers_test(const Options& o, Checker& ck) {
   for (uint32_t i = 0; i < S; ++i) done_lap[i].store(~0ULL);
   std::atomic<uint64_t> refused{0};
 
-  struct Thread {
-    std::thread th;
-    std::shared_ptr<std::atomic<int>> ended;  // 0 running, 1 retired, 2 shutdown
-  };
+  using Thread = fastload_stress::WorkerThread;  // ended: 0 running, 1 retired, 2 shutdown
   auto worker_fn = [&](uint32_t w, uint64_t wseed, std::shared_ptr<std::atomic<int>> ended) {
     std::mt19937_64 rng(wseed);
     const fastload::WorkerTicket me = ring->worker_started(w, current_tid());
@@ -243,17 +186,7 @@ void many_producers_test(const Options& o, Checker& ck) {
     live[w].th = std::thread(worker_fn, w, o.seed * 1000003 + k * 977 + w, live[w].ended);
     while (ring->worker_pid(w) == 0) sleep_us(100);
   };
-  struct Joiner {
-    Ring& ring;
-    std::vector<Thread>& a;
-    std::vector<Thread>& b;
-    ~Joiner() {
-      ring.shutdown();
-      for (auto* v : {&a, &b})
-        for (Thread& t : *v)
-          if (t.th.joinable()) t.th.join();
-    }
-  } joiner{*ring, live, retired};
+  fastload_stress::WorkerJoiner joiner{*ring, live, retired};
   for (uint32_t w = 0; w < W; ++w) start(w, 0);
 
   struct Flight {

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "ring.h"
+#include "stress_support.h"
 
 namespace {
 
@@ -66,6 +67,11 @@ using fastload::SlotState;
 using fastload::TaskRef;
 using fastload::WaitResult;
 using fastload::sync::monotonic_ns;
+using fastload_stress::Checker;
+using fastload_stress::current_tid;
+using fastload_stress::Failure;
+using fastload_stress::sleep_us;
+using fastload_stress::wait_name;
 
 constexpr int64_t kMs = 1000000;
 constexpr uint64_t kTaskMagic = 0x4b534154534c4646ULL;    // "FFLSTASK"
@@ -175,60 +181,6 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
-// ---- check counting -----------------------------------------------------------
-
-struct Failure : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Counts checks. check() records and goes on (workers: main must still get
-// every item); require() throws (main: the run is over).
-class Checker {
- public:
-  explicit Checker(std::string who) : who_(std::move(who)) {}
-  uint64_t passed() const { return passed_; }
-  uint64_t failed() const { return failed_; }
-  void set_who(std::string who) { who_ = std::move(who); }
-
-  __attribute__((format(printf, 3, 4))) bool check(bool ok, const char* fmt, ...) {
-    if (ok) {
-      ++passed_;
-      return true;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    report(fmt, ap);
-    va_end(ap);
-    return false;
-  }
-
-  __attribute__((format(printf, 3, 4))) void require(bool ok, const char* fmt, ...) {
-    if (ok) {
-      ++passed_;
-      return;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    std::string msg = report(fmt, ap, /*always=*/true);
-    va_end(ap);
-    throw Failure(msg);
-  }
-
- private:
-  // Prints the first 20 failures, and always the fatal one.
-  std::string report(const char* fmt, va_list ap, bool always = false) {
-    ++failed_;
-    char buf[1024];
-    std::vsnprintf(buf, sizeof buf, fmt, ap);
-    if (failed_ <= 20 || always) std::fprintf(stderr, "FAIL [%s] %s\n", who_.c_str(), buf);
-    return buf;
-  }
-
-  std::string who_;
-  uint64_t passed_ = 0;
-  uint64_t failed_ = 0;
-};
-
 // ---- the data that goes through the ring ------------------------------------
 
 uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
@@ -317,16 +269,6 @@ uint64_t find_pattern_mismatch(const char* p, uint64_t size, uint64_t pseed) {
   return size;
 }
 
-const char* wait_name(WaitResult r) {
-  switch (r) {
-    case WaitResult::Ready: return "Ready";
-    case WaitResult::TimedOut: return "TimedOut";
-    case WaitResult::Shutdown: return "Shutdown";
-    case WaitResult::WorkerDied: return "WorkerDied";
-  }
-  return "?";
-}
-
 const char* state_name(SlotState s) {
   switch (s) {
     case SlotState::Free: return "FREE";
@@ -341,9 +283,7 @@ const char* state_name(SlotState s) {
 
 double ms(int64_t ns) { return static_cast<double>(ns) / 1e6; }
 
-void sleep_us(uint64_t us) { std::this_thread::sleep_for(std::chrono::microseconds(us)); }
 
-uint32_t current_tid() { return static_cast<uint32_t>(::syscall(SYS_gettid)); }
 
 // ---- memory shared between main and its workers (outside the ring) -----------
 
@@ -1412,10 +1352,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> worker_failures{0};
 
-  struct Thread {
-    std::thread th;
-    std::shared_ptr<std::atomic<int>> ended;  // 0 running, 1 retired, 2 shutdown, 3 failed
-  };
+  using Thread = fastload_stress::WorkerThread;  // ended: 0 running, 1 retired, 2 shutdown, 3 failed
   auto worker_fn = [&](uint32_t w, uint64_t wseed, std::shared_ptr<std::atomic<int>> ended) {
     Checker wk("reclaim worker " + std::to_string(w));
     std::mt19937_64 rng(wseed);
@@ -1455,17 +1392,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
     const int64_t deadline = monotonic_ns() + o.long_timeout_ms * kMs;
     while (ring->worker_pid(w) == 0 && monotonic_ns() < deadline) sleep_us(100);
   };
-  struct Joiner {  // on any early exit: stop and join every thread
-    Ring& ring;
-    std::vector<Thread>& a;
-    std::vector<Thread>& b;
-    ~Joiner() {
-      ring.shutdown();
-      for (auto* v : {&a, &b})
-        for (Thread& t : *v)
-          if (t.th.joinable()) t.th.join();
-    }
-  } joiner{*ring, live, retired};
+  fastload_stress::WorkerJoiner joiner{*ring, live, retired};
   for (uint32_t w = 0; w < W; ++w) start(w, 0);
 
   struct Flight {
