@@ -200,7 +200,7 @@ void many_producers_test(const Options& o, Checker& ck) {
   for (uint64_t i = 0; i < N; ++i) pending.push_back(i);
   std::vector<uint8_t> delivered(N, 0);
   std::vector<Flight> flight;
-  std::vector<std::pair<uint32_t, uint64_t>> quarantine;  // (slot, lap) a worker may still write
+  fastload_stress::Quarantine quarantine;  // (slot, lap) a worker may still write
   uint64_t next_seq = 0, got = 0, reclaimed = 0, replaced = 0, timeouts = 0;
   const uint64_t replace_every = o.replacements > 0 ? std::max<uint64_t>(N / (o.replacements + 1), 1) : 0;
   uint64_t next_replace = replace_every;
@@ -221,15 +221,7 @@ void many_producers_test(const Options& o, Checker& ck) {
 
   while (got < N) {
     ck.require(monotonic_ns() - t0 < 120000 * kMs, "many producers: no end after 120 s");
-    for (size_t i = 0; i < quarantine.size();) {
-      if (fastload::sync::load_acquire(done_lap[quarantine[i].first]) == quarantine[i].second) {
-        ring->push_free_slot(quarantine[i].first);
-        quarantine[i] = quarantine.back();
-        quarantine.pop_back();
-      } else {
-        ++i;
-      }
-    }
+    fastload_stress::release_handed_back(*ring, quarantine, done_lap.get());
     uint32_t s = 0;
     while (!pending.empty() && ring->pop_free_slot(&s)) {
       const uint64_t item = pending.front();

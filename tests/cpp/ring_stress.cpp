@@ -1406,7 +1406,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
   for (uint64_t i = 0; i < N; ++i) pending.push_back(i);
   std::vector<uint8_t> delivered(N, 0);
   std::vector<std::pair<uint64_t, Flight>> flight;  // (seq, task)
-  std::vector<std::pair<uint32_t, uint64_t>> quarantine;  // (slot, lap) a worker may still touch
+  fastload_stress::Quarantine quarantine;  // (slot, lap) a worker may still touch
   uint64_t next_seq = 0, got = 0, reclaimed_queued = 0, reclaimed_taken = 0, lost_race = 0;
   uint64_t replaced = 0;
   const uint64_t replace_every = o.replacements > 0 ? std::max<uint64_t>(N / (o.replacements + 1), 1) : 0;
@@ -1440,15 +1440,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
 
   while (got < N) {
     ck.require(monotonic_ns() - t_start < 120000 * kMs, "reclaim race: no end after 120 s");
-    for (size_t i = 0; i < quarantine.size();) {
-      if (fastload::sync::load_acquire(done_lap[quarantine[i].first]) == quarantine[i].second) {
-        ring->push_free_slot(quarantine[i].first);
-        quarantine[i] = quarantine.back();
-        quarantine.pop_back();
-      } else {
-        ++i;
-      }
-    }
+    fastload_stress::release_handed_back(*ring, quarantine, done_lap.get());
     uint32_t s = 0;
     while (!pending.empty() && ring->pop_free_slot(&s)) {
       const uint64_t item = pending.front();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ring.h"
+#include "sync.h"
 
 namespace fastload_stress {
 
@@ -109,5 +110,25 @@ struct WorkerJoiner {
         if (t.th.joinable()) t.th.join();
   }
 };
+
+// Slots a test reclaimed from a worker that may still write them, as (slot,
+// lap at the reclaim). release_handed_back() puts each back on the free list
+// once the test's worker has handed it back: done_lap[slot] == that lap.
+using Quarantine = std::vector<std::pair<uint32_t, uint64_t>>;
+
+inline void release_handed_back(fastload::Ring& ring, Quarantine& q,
+                                const std::atomic<uint64_t>* done_lap) {
+  for (size_t i = 0; i < q.size();) {
+    // Acquire: pairs with the worker's store_release of done_lap after its
+    // last touch of the slot, so the slot is not reused under that write.
+    if (fastload::sync::load_acquire(done_lap[q[i].first]) == q[i].second) {
+      ring.push_free_slot(q[i].first);
+      q[i] = q.back();
+      q.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
 
 }  // namespace fastload_stress
