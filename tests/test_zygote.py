@@ -68,6 +68,20 @@ def test_explicit_spawn_is_real_spawn():
     assert [r["index"] for r in _rows(list(it))] == list(range(4))
 
 
+@pytest.mark.parametrize("ctx", [None, "spawn"])
+def test_workers_share_our_session_in_a_process_group_of_their_own(ctx):
+    """As DataLoader's workers, they stay in the training process's session
+    (one scheduler autogroup with it); unlike them, they are outside its
+    process group, so a terminal's Ctrl-C reaches the training process alone."""
+    it = iter(FastLoader(Plain(4), batch_size=2, num_workers=NW, multiprocessing_context=ctx))
+    pool = debug_view(it).pool
+    procs = [*pool.pids, *([pool.zygote_pid] if pool.zygote_pid else [])]
+    for pid in procs:
+        assert os.getsid(pid) == os.getsid(0)
+        assert os.getpgid(pid) != os.getpgid(0)
+    assert len(list(it)) == 2
+
+
 def test_allow_gpu_in_workers_zygote_keeps_the_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     loader = FastLoader(EnvProbe(4), batch_size=2, num_workers=NW, allow_gpu_in_workers=True)

@@ -25,11 +25,17 @@ starts them itself, with two launchers:
   collector, off in the zygote, freezes what a worker inherits:
   ``gc.freeze()``).
 
-Both put the child in a session of its own (``setsid``): Ctrl-C at the
-terminal goes to the training process alone, which raises KeyboardInterrupt
-and stops the workers, and no SIGINT has to be blocked or ignored in the
-training process while a worker starts. Workers end when the training process
-does (see ``worker._MainWatch``).
+Both put the child in a process group of its own: Ctrl-C at the terminal
+goes to the foreground process group, so to the training process alone, which
+raises KeyboardInterrupt and stops the workers, and no SIGINT has to be
+blocked or ignored in the training process while a worker starts. The child
+stays in the training process's session (no ``setsid``), as DataLoader's
+workers do: where the kernel groups the scheduler's fair share by session
+(``sched_autogroup``, on in most distributions' kernels), the workers and the
+training process share one group, as with DataLoader, rather than the workers
+being a group of their own that busy neighbours in other sessions squeeze to
+its even share. Workers end when the training process does (see
+``worker._MainWatch``).
 
 Both return a :class:`fastload.child.Child`, a handle that quacks like
 ``multiprocessing.Process`` and reads the child's death note.
@@ -45,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from . import crossing
 from .child import Child, note_pipe
@@ -58,6 +64,11 @@ __all__ = ["Child", "Zygote", "spawn", "memfd_of", "ZYGOTE_PRELOAD",
 
 # What the zygote imports before it forks.
 ZYGOTE_PRELOAD = ("torch", "fastload.worker")
+
+# The child leads a process group of its own (``setpgid(0, 0)`` before exec).
+# 3.10's Popen has no ``process_group``; ``os.setpgrp`` is one system call.
+_OWN_GROUP: Dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
 
 _BOOT = "import fastload.boot as b; b.boot({fd})"
 _ZYGOTE_BOOT = _BOOT + "  # fastload zygote"  # told apart from workers in process lists
@@ -97,7 +108,7 @@ def spawn(target: str, parcel: crossing.Parcel, env: Optional[Mapping[str, str]]
         header = _header(target, note_w, parcel)
         popen = subprocess.Popen(
             [sys.executable, "-c", _BOOT.format(fd=r)],
-            pass_fds=(r, note_w, *parcel.fds), env=_child_env(env), start_new_session=True,
+            pass_fds=(r, note_w, *parcel.fds), env=_child_env(env), **_OWN_GROUP,
         )
     except BaseException:
         for fd in (r, w, note_r, note_w):
@@ -143,8 +154,7 @@ class Zygote:
                                    "note_fd": note_w}, protocol=pickle.HIGHEST_PROTOCOL)
             self._popen = subprocess.Popen(
                 [sys.executable, "-c", _ZYGOTE_BOOT.format(fd=r)],
-                pass_fds=(r, theirs.fileno(), note_w), env=_child_env(env),
-                start_new_session=True,
+                pass_fds=(r, theirs.fileno(), note_w), env=_child_env(env), **_OWN_GROUP,
             )
         except BaseException:
             for fd in (r, w, note_w):

@@ -175,7 +175,11 @@ def _epoch2(spec: Dict[str, Any], loader: Any, keep: Dict[str, Any]) -> Dict[str
         e2.add(batch)
     b0, s0 = e2.batches, e2.pos
     t_s, cpu_s, kids_s = time.perf_counter(), time.process_time(), descendants_cpu_s(os.getpid())
-    while not exhausted and time.perf_counter() - t_s < spec["seconds"]:
+    while not exhausted:
+        spent = time.perf_counter() - t_s
+        if spent >= spec["seconds"] and (e2.batches - b0 >= spec.get("min_batches", 0)
+                                         or spent >= spec.get("max_seconds", spec["seconds"])):
+            break
         batch = next(it, None)
         if batch is None:
             exhausted = True

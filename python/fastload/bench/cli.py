@@ -14,12 +14,18 @@ from . import copy_on_read, first_epoch, measure, report, resume_cost
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
-FULL = {"rounds": 3, "seconds": 3.0, "warmup": 1.0, "raw_seconds": 2.0, "short_batches": 4}
-QUICK = {"rounds": 1, "seconds": 0.75, "warmup": 0.25, "raw_seconds": 0.4, "short_batches": 2}
+FULL = {"rounds": 3, "seconds": 3.0, "warmup": 1.0, "raw_seconds": 2.0, "short_batches": 4,
+        "min_batches": 40}
+QUICK = {"rounds": 1, "seconds": 0.75, "warmup": 0.25, "raw_seconds": 0.4, "short_batches": 2,
+         "min_batches": 10}
 # --quick without --workloads: the two workloads that measure the loader
 # itself (each run starts fresh processes that import torch: ~10 s a run on a
 # slow 2-core machine, so all five would take over two minutes).
 QUICK_WORKLOADS = ("transport_u8", "tiny")
+# The steady state runs on past --seconds until it holds min_batches batches
+# (a window of a dozen batches has a batch's worth of error at each end, ~8%
+# of a slow workload's rate under load), up to this many times --seconds.
+MAX_STEADY = 5
 # The runs under load, beside the quiet ones (see bench/README.md): all
 # workloads again with num_workers = 2 x cores, and again with one
 # busy-looping process per core running beside each run.
@@ -252,7 +258,8 @@ class _Bench:
             specs.append({"workload": w.spec or {"name": w.name}, "kind": kind,
                           "batch_size": self.bs_of[w.name], "workers": workers, "seed": a.seed,
                           "short_batches": a.short_batches * workers, "warmup": a.warmup,
-                          "seconds": a.seconds, "gap": a.gap,
+                          "seconds": a.seconds, "min_batches": a.min_batches,
+                          "max_seconds": MAX_STEADY * a.seconds, "gap": a.gap,
                           "neighbours": self.states[st]["neighbours"],
                           "start_method": fl_method if kind == "fastload" else a.start_method,
                           "cache": self.cache, "sys_path": sys.path})
@@ -266,7 +273,7 @@ class _Bench:
             runs[plan[i][1]][plan[i][2].name][plan[i][3]].append(res)
             self.prog.done(f"{label(i)}: {_summary(res)}")
 
-        measure.run_children(specs, 180 + 4 * (a.seconds + a.warmup),
+        measure.run_children(specs, 180 + 4 * (MAX_STEADY * a.seconds + a.warmup),
                              lambda i: self.prog.start(label(i)), done)
         return runs
 

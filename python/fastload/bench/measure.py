@@ -11,7 +11,8 @@ dataset's module), two epochs of the same loader, ``persistent_workers=False``:
 * epoch 2, long: the WARM time to first batch (``iter()`` to first batch;
   DataLoader spawns its workers again, fastload reuses its pool), a warm-up
   (``--warmup`` seconds and at least ``2 x workers`` batches), then
-  ``--seconds`` of steady state: samples/s, batches/s and the main process's
+  ``--seconds`` of steady state (longer, up to 5 x, until it holds 40
+  batches; 10 with ``--quick``): samples/s, batches/s and the main process's
   CPU time per batch (``time.process_time``, all threads of the main
   process), and the same checks on every batch read.
 
