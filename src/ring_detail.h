@@ -1,0 +1,34 @@
+// fastload/src/ring_detail.h — what ring.cpp (the main process's side of the
+// ring) and ring_worker.cpp (the worker's side) share beyond ring.h: the
+// constants of the waits and the ledger words, and small helpers. Not part of
+// the ring's interface; included by those two files only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "ring.h"
+
+namespace fastload {
+namespace detail {
+
+constexpr int kSpinChecks = 64;  // brief spin before sleeping (see sync::cpu_relax)
+// The longest main sleeps before it rescans the slots, whatever its timeout:
+// the safety net for an entry lost in a way no death announced (a worker
+// stopped between its READY and its push, then lapped by a whole queue).
+constexpr int64_t kRescanEveryNs = 1000000000LL;
+constexpr uint32_t kCqMask = kCompletionCapacity - 1;
+constexpr uint64_t kNoLap = ~0ULL;
+constexpr uint64_t kNoGeneration = ~0ULL;
+
+inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline std::string str(uint64_t v) { return std::to_string(v); }
+
+inline bool in_flight(SlotState st) {
+  return st == SlotState::Assigned || st == SlotState::Writing || st == SlotState::Committing;
+}
+
+}  // namespace detail
+}  // namespace fastload
