@@ -498,3 +498,38 @@ def test_the_private_names_resume_relies_on() -> None:
     np.random.randn()  # leaves a cached Gaussian: only get_state() shows it
     second = cap.capture(0)[2]
     assert first != second and second[3] == 1
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_iter_that_fails_leaves_the_loaded_state(nw: int, monkeypatch) -> None:
+    """An iter() that raises after taking the loaded state (here Ctrl-C while
+    it starts) leaves it to the next iter(), which resumes there."""
+    make = lambda: _make(Augmented(20), nw)  # noqa: E731
+    _seed_all(0)
+    loader = make()
+    it = iter(loader)
+    _epoch(it, 2)
+    sd = _roundtrip(loader.state_dict())
+    callers = _global_generators()
+    rest = _epoch(it)
+    del it, loader
+
+    resumed = make()
+    resumed.load_state_dict(sd)
+    if nw:
+        import fastload.iterator as where
+        target, name = where.FastLoaderIter, "_open_pool"
+    else:
+        import torch.utils.data.dataloader as where
+        target, name = where._SingleProcessDataLoaderIter, "__init__"
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        iter(resumed)
+    monkeypatch.undo()
+    it = iter(resumed)
+    _set_global_generators(callers)
+    assert _epoch(it) == rest

@@ -170,13 +170,21 @@ class FastLoader(DataLoader[T_co]):
             weakref.finalize(self, stop_spare_zygotes, self._fastload_state.spare_zygotes)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        if self.num_workers == 0:
-            return _SingleProcessIter(self, self._fastload_state, self._stream_ops())
-        self.check_worker_number_rationality()
-        _fail_as_dataloader_iterator(self)
         state = self._fastload_state
-        return FastLoaderIter(self, state, stream_ops=self._stream_ops(),
-                              device_runtime=self._device_runtime)
+        loaded = state.resume
+        try:
+            if self.num_workers == 0:
+                return _SingleProcessIter(self, state, self._stream_ops())
+            self.check_worker_number_rationality()
+            _fail_as_dataloader_iterator(self)
+            return FastLoaderIter(self, state, stream_ops=self._stream_ops(),
+                                  device_runtime=self._device_runtime)
+        except BaseException:
+            # An iter() that failed (Ctrl-C while its workers start, say)
+            # leaves a state from load_state_dict() to the next one.
+            if state.resume is None:
+                state.resume = loaded
+            raise
 
     def state_dict(self) -> Dict[str, Any]:
         """Where the loader's current iterator is, to resume there later.
