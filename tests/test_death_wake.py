@@ -165,6 +165,67 @@ def test_a_killed_worker_ends_an_epoch_that_waits_forever(tmp_path, alarm: None,
         list(loader)
 
 
+@pytest.mark.parametrize("ctx", [None, "spawn"])
+@pytest.mark.parametrize("on", [{5: "kill"}, {4: "kill", 2: "sleep"}])
+def test_a_death_with_sigchld_ignored_is_reported(alarm: None, ctx, on) -> None:
+    """With SIGCHLD ignored in the training process, the kernel reaps its
+    children itself and their exit status is lost: a worker's death is still
+    reported, also when it is deferred behind a batch a live worker owes. The
+    zygote puts SIGCHLD back to the default and reaps its workers as usual,
+    so the signal is named; a spawned worker reads as exit code 0
+    (``subprocess``'s choice when the status is lost)."""
+    old = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        ds = Misbehave(16, on, seconds=1.0)
+        loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None, timeout=0,
+                            max_worker_restarts=0, multiprocessing_context=ctx)
+        with pytest.raises(RuntimeError, match="DataLoader worker .* (is killed|exited)") as info:
+            list(loader)
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+    expected = {None: "is killed by signal: Killed", "spawn": "exit code 0"}
+    assert expected[ctx] in str(info.value)
+
+
+_IGNORED_SIGCHLD_FORK = """
+import signal, sys
+sys.path.insert(0, {tests!r})
+from fastload import FastLoader
+from support.faults import Misbehave
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+for on in ({{5: "kill"}}, {{4: "kill", 2: "sleep"}}):
+    loader = FastLoader(Misbehave(16, on, seconds=1.0), batch_size=2, num_workers=2,
+                        hang_timeout=None, timeout=0, max_worker_restarts=0,
+                        multiprocessing_context="fork")
+    try:
+        list(loader)
+    except RuntimeError as e:
+        print("ERROR:", e)
+    else:
+        print("NO ERROR")
+"""
+
+
+@pytest.mark.heavy
+def test_a_forked_worker_s_death_with_sigchld_ignored_is_reported(tmp_path) -> None:
+    """The same with ``multiprocessing_context="fork"``: multiprocessing never
+    learns the exit code of a child the kernel reaped (its ``exitcode``
+    stays None), so the ring's watch of the worker's pidfd is the only word
+    of the death; the error says the status is unknown, and the loader stops
+    without waiting out a grace period for the dead. Run as a script of its
+    own: multiprocessing keeps such children in its records, with their
+    pipes, for the life of the process."""
+    script = tmp_path / "ignored.py"
+    script.write_text(_IGNORED_SIGCHLD_FORK.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
+    assert len(lines) == 2, out.stdout + out.stderr
+    for line in lines:
+        assert "its exit status is unknown because this process ignores SIGCHLD" in line, line
+    assert "did not stop" not in out.stderr
+
+
 def test_a_restart_under_waits_without_end(tmp_path, alarm: None) -> None:
     """The replacement is watched in place of the dead worker; the epoch and
     the next ones finish."""

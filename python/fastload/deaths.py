@@ -11,13 +11,20 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Optional
 
 from .wire import STACK_SIGNAL
 
 
-def describe_exit(pid: int, exitcode: int, note: str = "") -> str:
+def describe_exit(pid: int, exitcode: Optional[int], note: str = "") -> str:
     """DataLoader's wording for a worker that died; with the worker's own
-    last words when it left some (an error at start-up)."""
+    last words when it left some (an error at start-up). ``exitcode`` None:
+    the status is lost (this process ignores SIGCHLD, so the kernel reaped
+    the worker)."""
+    if exitcode is None:
+        return (f"DataLoader worker (pid {pid}) exited unexpectedly; its exit status is unknown "
+                "because this process ignores SIGCHLD (signal.SIG_IGN), so the system reaped "
+                "it. " + (f"It failed with:\n{note}\n" if note else ""))
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import weakref
@@ -105,6 +106,7 @@ class WorkerPool:
         self._ctx = ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
+        self._reaped: Dict[int, int] = {}  # worker -> pid: see _reaped_unseen
         if self._launcher != "zygote":  # zygote workers start with each session
             try:
                 for i in range(num_workers):
@@ -337,14 +339,29 @@ class WorkerPool:
         return dump_stack(self.procs[worker].pid, self._stack_fds[worker],  # type: ignore[arg-type]
                           wait_s)
 
-    def dead_workers(self) -> List[Tuple[int, int, int]]:
-        """(worker id, pid, exit code) of every worker that has exited."""
-        out = []
+    def dead_workers(self) -> List[Tuple[int, int, Optional[int]]]:
+        """(worker id, pid, exit code) of every worker that has exited; the
+        code is None where the status is lost (see :meth:`_reaped_unseen`)."""
+        out: List[Tuple[int, int, Optional[int]]] = []
         for i, p in enumerate(self.procs):
             code = p.exitcode
-            if code is not None:
+            if code is not None or self._reaped_unseen(i, p):
                 out.append((i, p.pid, code))  # type: ignore[arg-type]
         return out
+
+    def _reaped_unseen(self, w: int, proc: Any) -> bool:
+        """A forked worker the kernel reaped itself because this process
+        ignores SIGCHLD (``SIG_IGN``): its ``exitcode`` never comes, and the
+        ring's watch of its pidfd is the only word of its death (remembered:
+        the supervisor may stop watching it before it reports it)."""
+        if self._launcher is not None or self._ctx.get_start_method() != "fork":
+            return False
+        if self._reaped.get(w) == proc.pid:
+            return True
+        if signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN or w not in self.ring.dead_workers():
+            return False
+        self._reaped[w] = proc.pid
+        return True
 
     def recv_overflow(self, worker: int, seq: int) -> int:
         """The overflow segment fd a worker sent for batch ``seq``."""

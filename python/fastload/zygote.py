@@ -191,6 +191,10 @@ def _prepare(header: Dict[str, Any]) -> None:
     """Import what workers share, then stop the collector from touching it."""
     sys.path[:] = header["sys_path"]
     os.close(header["note_fd"])
+    # The zygote reaps its workers and reports their exit status: a SIGCHLD
+    # ignored in the training process (SIG_IGN survives exec) would have the
+    # kernel reap them, the status lost and waitpid() failing.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for name in header["preload"]:
         try:
             __import__(name)
