@@ -153,6 +153,16 @@ def _main_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
     return notes
 
 
+def _cores(m: Dict[str, Any]) -> Optional[float]:
+    """The cores a loader's processes kept busy in the steady state (CPU
+    seconds of main and workers per second), from its median figures: beside
+    busy neighbours, the share of the machine the scheduler gave it."""
+    per_batch = [m.get("main_cpu_ms_per_batch"), m.get("workers_cpu_ms_per_batch"), m.get("batches_per_s")]
+    if any(v is None for v in per_batch):
+        return None
+    return (per_batch[0] + per_batch[1]) * per_batch[2] / 1000
+
+
 def _under_load_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
     """The rows of the runs under load; returns the correctness problems to print."""
     notes: List[str] = []
@@ -161,7 +171,7 @@ def _under_load_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
     p()
     p("under load (same interleaving; samples/s medians):")
     p(f"  {'workload':<{nw}}{'run':<40}{'fastload':>10}{'DataLoader':>11}  {'ratio (target) met?':<44}"
-      f"{'CPU ms/batch, main+workers':>28}  correct")
+      f"{'CPU ms/batch, main+workers':>28}{'cores used':>13}  correct")
     for st, cfg in res["under_load"].items():
         for name, wr in cfg["workloads"].items():
             fl, dl = wr["median"]["fastload"], wr["median"]["DataLoader"]
@@ -169,8 +179,9 @@ def _under_load_table(res: Dict[str, Any], p: Any, nw: int) -> List[str]:
             vs = f"{_num(t['value'], '.2f', 'x')} ({t['text']}) {_mark(t['ok'])}"
             cpu = " / ".join(f"{_num(m['main_cpu_ms_per_batch'], '.3g')}+"
                              f"{_num(m.get('workers_cpu_ms_per_batch'), '.3g')}" for m in (fl, dl))
+            cores = " / ".join(_num(_cores(m), '.2f') for m in (fl, dl))
             p(f"  {name:<{nw}}{st + ': ' + cfg['what']:<40}{_num(fl['samples_per_s'], ',.0f'):>10}"
-              f"{_num(dl['samples_per_s'], ',.0f'):>11}  {vs:<44}{cpu:>28}  "
+              f"{_num(dl['samples_per_s'], ',.0f'):>11}  {vs:<44}{cpu:>28}{cores:>13}  "
               f"{wr['correct']['fastload']}/{wr['correct']['DataLoader']}")
             notes += [f"{name} [{st}] {kind}: {prob}" for kind in KINDS for prob in wr["problems"][kind]]
     return notes
