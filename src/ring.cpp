@@ -16,16 +16,7 @@
 
 namespace fastload {
 
-using sync::bump_release;
-using sync::cas_acq_rel;
-using sync::full_fence;
-using sync::load_acquire;
-using sync::load_relaxed;
-using sync::store_relaxed;
-using sync::store_release;
-
 using namespace detail;  // NOLINT: the helpers shared with ring_worker.cpp
-
 
 size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers) {
   size_t off = align_up(sizeof(ShmHeader), kCacheLine);

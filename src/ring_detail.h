@@ -9,9 +9,20 @@
 #include <string>
 
 #include "ring.h"
+#include "sync.h"
 
 namespace fastload {
 namespace detail {
+
+// The sync.h operations both sides use, by their short names.
+using sync::bump_release;
+using sync::cas_acq_rel;
+using sync::full_fence;
+using sync::load_acquire;
+using sync::load_relaxed;
+using sync::store_relaxed;
+using sync::store_release;
+using sync::take_ticket;
 
 constexpr int kSpinChecks = 64;  // brief spin before sleeping (see sync::cpu_relax)
 // The longest main sleeps before it rescans the slots, whatever its timeout:

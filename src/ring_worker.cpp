@@ -11,15 +11,6 @@
 
 namespace fastload {
 
-using sync::bump_release;
-using sync::cas_acq_rel;
-using sync::full_fence;
-using sync::load_acquire;
-using sync::load_relaxed;
-using sync::store_relaxed;
-using sync::store_release;
-using sync::take_ticket;
-
 using namespace detail;  // NOLINT: the helpers shared with ring.cpp
 
 // ---- worker process -------------------------------------------------------
