@@ -114,6 +114,28 @@ def test_parallel_script_measures_one_and_two_processes():
     assert all(int(g.replace(",", "")) > 0 for g in m.groups())
 
 
+@pytest.mark.heavy
+def test_share_script_reads_both_loaders_cpu_beside_a_neighbour():
+    """bench/share.py (the scheduler figures bench/README.md quotes) runs
+    both loaders beside a busy neighbour and finds their processes: CPU on
+    the main process and on the workers, and a share of the machine."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "share.py"
+    out = subprocess.run([sys.executable, str(script), "--workload", "tiny", "--neighbours", "1",
+                          "--rounds", "1", "--seconds", "0.3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"round 1 (fastload|DataLoader) +([\d.]+) batches/s .* main +(\d+)/\d+ .*"
+                      r"workers +(\d+)/\d+ .* cores ([\d.]+)", out.stdout)
+    assert [r[0] for r in rows] == ["fastload", "DataLoader"], out.stdout
+    for _kind, rate, main_us, workers_us, cores in rows:
+        assert float(rate) > 0 and int(main_us) > 0 and int(workers_us) > 0 and float(cores) > 0
+
+
 def _busy_loops_alive(pids: List[int]) -> List[int]:
     """Those of ``pids`` that are still a running bench neighbour (a reused
     pid running something else does not count)."""
