@@ -8,12 +8,25 @@ dumps with faulthandler into a memfd the pool keeps for it when it is sent
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import signal
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from .wire import STACK_SIGNAL
+
+
+def exited_unseen(proc: Any) -> bool:
+    """A ``multiprocessing`` worker that has exited though its ``exitcode``
+    never comes: this process ignores SIGCHLD (``SIG_IGN``), so the kernel
+    reaped it and its status is lost. Its sentinel (the read end of a pipe
+    only the worker held) says it is gone. False for fastload's own
+    :class:`~fastload.child.Child` handles, which learn their exit codes."""
+    sentinel = getattr(proc, "sentinel", None)
+    if sentinel is None or signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN:
+        return False
+    return bool(multiprocessing.connection.wait([sentinel], 0))
 
 
 def describe_exit(pid: int, exitcode: Optional[int], note: str = "") -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 import weakref
@@ -25,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import _core, crossing, launch
 from ._ring import FdHandle, RingHandle
-from .deaths import dump_stack
+from .deaths import dump_stack, exited_unseen
 from .launch import Zygote
 from .ledger import Record, Role, SlotLedger
 from .lineage import Lineage, launcher_of
@@ -106,7 +105,6 @@ class WorkerPool:
         self._ctx = ctx
         self._hide = hide_accelerators
         self._handle = RingHandle(self.ring)
-        self._reaped: Dict[int, int] = {}  # worker -> pid: see _reaped_unseen
         if self._launcher != "zygote":  # zygote workers start with each session
             try:
                 for i in range(num_workers):
@@ -341,27 +339,16 @@ class WorkerPool:
 
     def dead_workers(self) -> List[Tuple[int, int, Optional[int]]]:
         """(worker id, pid, exit code) of every worker that has exited; the
-        code is None where the status is lost (see :meth:`_reaped_unseen`)."""
+        code is None for a forked worker whose status is lost
+        (:func:`~fastload.deaths.exited_unseen`). Not under forkserver, whose
+        exit codes arrive a moment after the worker is gone."""
+        forked = self._launcher is None and self._ctx.get_start_method() == "fork"
         out: List[Tuple[int, int, Optional[int]]] = []
         for i, p in enumerate(self.procs):
             code = p.exitcode
-            if code is not None or self._reaped_unseen(i, p):
+            if code is not None or (forked and exited_unseen(p)):
                 out.append((i, p.pid, code))  # type: ignore[arg-type]
         return out
-
-    def _reaped_unseen(self, w: int, proc: Any) -> bool:
-        """A forked worker the kernel reaped itself because this process
-        ignores SIGCHLD (``SIG_IGN``): its ``exitcode`` never comes, and the
-        ring's watch of its pidfd is the only word of its death (remembered:
-        the supervisor may stop watching it before it reports it)."""
-        if self._launcher is not None or self._ctx.get_start_method() != "fork":
-            return False
-        if self._reaped.get(w) == proc.pid:
-            return True
-        if signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN or w not in self.ring.dead_workers():
-            return False
-        self._reaped[w] = proc.pid
-        return True
 
     def recv_overflow(self, worker: int, seq: int) -> int:
         """The overflow segment fd a worker sent for batch ``seq``."""

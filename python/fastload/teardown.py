@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import socket
 import time
 from typing import Dict, List
 
 from . import _core, launch
+from .deaths import exited_unseen
 from .launch import Zygote
 
 log = logging.getLogger("fastload")
@@ -56,7 +56,7 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
             pass
     for p in procs:
         try:
-            if p.pid is not None and not _exited(p):
+            if p.pid is not None and p.is_alive() and not exited_unseen(p):
                 log.warning("fastload worker pid %s did not stop in %.1fs; terminating it",
                             p.pid, grace_s)
                 p.terminate()
@@ -75,16 +75,6 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
         if isinstance(p, launch.Child):
             p.close()  # its pidfd and death-note pipe; its exit code stays readable
     close_fds(socks, overflow_fds, stack_fds, ring)
-
-
-def _exited(p: multiprocessing.process.BaseProcess) -> bool:
-    """The worker has exited: it says so, or, for a forked worker the kernel
-    reaped itself because this process ignores SIGCHLD (its exit code never
-    comes), its sentinel does."""
-    if not p.is_alive():
-        return True
-    sentinel = None if isinstance(p, launch.Child) else p.sentinel
-    return sentinel is not None and bool(multiprocessing.connection.wait([sentinel], 0))
 
 
 def close_fds(socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
