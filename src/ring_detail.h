@@ -1,7 +1,7 @@
-// fastload/src/ring_detail.h — what ring.cpp (the main process's side of the
-// ring) and ring_worker.cpp (the worker's side) share beyond ring.h: the
-// constants of the waits and the ledger words, and small helpers. Not part of
-// the ring's interface; included by those two files only.
+// fastload/src/ring_detail.h — what the ring's files (ring_segment.cpp, the
+// main process's side in ring.cpp, the worker's side in ring_worker.cpp)
+// share beyond ring.h: the constants of the waits and the ledger words, and
+// small helpers. Not part of the ring's interface; included by those files only.
 #pragma once
 
 #include <cstddef>
