@@ -96,7 +96,7 @@ def test_checksum_reads_content_and_slicing_agrees():
     assert checksum(default_collate(swapped)) != checksum(default_collate(samples))
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_parallel_script_measures_one_and_two_processes():
     """bench/parallel.py (the machine's bound quoted in the README) runs and
     reports both rates; figures themselves are not checked."""
@@ -114,7 +114,7 @@ def test_parallel_script_measures_one_and_two_processes():
     assert all(int(g.replace(",", "")) > 0 for g in m.groups())
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_share_script_reads_both_loaders_cpu_beside_a_neighbour():
     """bench/share.py (the scheduler figures bench/README.md quotes) runs
     both loaders beside a busy neighbour and finds their processes: CPU on
@@ -151,7 +151,7 @@ def _busy_loops_alive(pids: List[int]) -> List[int]:
     return alive
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_bench_runs_under_load_and_leaves_no_neighbour(tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["--dataset", "test_bench:make_dataset", "--workers", "1", "--rounds", "1",

@@ -402,7 +402,7 @@ def test_resume_after_a_restart(tmp_path) -> None:
     assert head + _epoch(resumed) == calm
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_state_loaded_in_a_new_process(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import sys, torch
