@@ -63,9 +63,36 @@ def test_bench_runs_and_checks_a_user_dataset(tmp_path, capsys):
             assert run["steady"]["batches"] > 0 and run["samples_per_s"] > 0
             assert run["ttfb_cold_s"] > 0 and run["ttfb_warm_s"] > 0
             assert run["peak_mem_mb"] > 0 and run["mem_kind"] in ("PSS", "RSS")
+            assert run["sampler_cpu_s"] > 0
         whats = [t["what"] for t in w["targets"]]
         assert whats == ["samples/s", "cold 1st batch", "warm 1st batch", "peak memory"]
     assert res["workloads"]["test_bench:make_dataset"]["batch_size"] == 8
+
+
+def test_memory_sampler_peak_stays_pss_for_a_window_between_pss_samples():
+    """A run shorter than the PSS interval still gets a PSS figure (from the
+    samples nearest to it), so that both loaders are compared in the same
+    unit; the sampler reports the CPU it used."""
+    import os
+    import time
+
+    from fastload.bench.memory import MemSampler
+
+    m = MemSampler(os.getpid())
+    mb = 2**20
+    m.samples = [(0.0, 50 * mb, 40 * mb, 1), (1.0, 60 * mb, None, 1), (1.2, 70 * mb, None, 1),
+                 (2.0, 65 * mb, 45 * mb, 1), (9.0, 90 * mb, 80 * mb, 1)]
+    inside = m.peak(0.9, 1.3)  # RSS samples only: the PSS ones at 0.0 and 2.0 stand in
+    assert (inside["mem_kind"], inside["peak_mem_mb"], inside["peak_rss_sum_mb"]) == ("PSS", 45, 70)
+    assert m.peak(-1.0, 2.5)["peak_mem_mb"] == 45
+
+    live = MemSampler(os.getpid(), every=0.01, pss_every=0.01)
+    live.start()
+    deadline = time.monotonic() + 10
+    while sum(s[2] is not None for s in live.samples) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live.stop()
+    assert live.cpu_s > 0 and live.peak(0, time.time() + 1)["mem_kind"] in ("PSS", "RSS")
 
 
 def test_checks_catch_wrong_deliveries():
