@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 
 import pytest
@@ -25,6 +26,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true",
                      help="leave out the tests marked heavy (fastload: the default group in "
                           "under 3 minutes on 2 cores)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`pytest &` in a script) with SIGINT
+    # ignored, and a process that ignores a signal passes that on to every
+    # program it runs. The tests that press Ctrl-C on a training script
+    # need it delivered as in a terminal, so the run takes Python's default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
