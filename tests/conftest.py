@@ -2,7 +2,7 @@
 
 The helpers the tests themselves use live in ``tests/support/`` (see its
 ``__init__``). ``--quick`` leaves out the tests marked ``heavy`` (the
-default group in under 3 minutes on 2 cores). Nothing here catches
+default group in about 4 minutes on 2 cores). Nothing here catches
 KeyboardInterrupt: the first Ctrl-C stops the run, and the leak check of
 the interrupted test is skipped rather than waited for.
 """
@@ -25,7 +25,7 @@ _interrupted = False
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true",
                      help="leave out the tests marked heavy (fastload: the default group in "
-                          "under 3 minutes on 2 cores)")
+                          "about 4 minutes on 2 cores)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
