@@ -15,7 +15,10 @@ Each test runs DataLoader and FastLoader on the same input and compares:
 
 from __future__ import annotations
 
+import copy
+import io
 import mmap
+import pickle
 import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -375,6 +378,59 @@ def test_shared_memory_within_a_batch_as_with_dataloader(order, collate):
         assert [a.stride() for a in ft] == [b.stride() for b in dt]
         assert _memory_layout(ft) == _memory_layout(dt)
         assert _writes_show(ft) == _writes_show(dt)
+
+
+class MixedDtypes(Dataset):
+    """A float sample, its int label, a uint8 mask and a row of a table with
+    the table: the batch's tensors differ in dtype, and two of them alias."""
+
+    def __init__(self) -> None:
+        self.table = torch.arange(24, dtype=torch.float64).reshape(6, 4)
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Tuple[Any, ...]:
+        return (torch.full((3,), float(i)), i, torch.ones(5, dtype=torch.uint8) * i,
+                (self.table[i % 6], self.table))
+
+
+@pytest.mark.parametrize("held", ["in-the-slot", "copied-out"])
+@pytest.mark.parametrize("kwargs", [dict(batch_size=4), dict(batch_size=2, collate_fn=identity)],
+                         ids=["default-collate", "identity-collate"])
+@pytest.mark.heavy
+def test_each_tensor_has_a_storage_of_its_own_as_with_dataloader(held, kwargs):
+    """Through DataLoader each tensor of a batch arrives in shared memory of
+    its own: one tensor saved, pickled or deep-copied carries its own bytes,
+    and a batch whose tensors differ in dtype can be saved. The same holds
+    for batches that view their slot and for batches copied out of it (the
+    loop keeps more than ``held_batches``); tensors that alias still share
+    one storage."""
+    extra = {"held_batches": 1} if held == "copied-out" else {}
+    dl = attempt(DataLoader, MixedDtypes(), num_workers=2, **kwargs)
+    fl = attempt(FastLoader, MixedDtypes(), num_workers=2, **kwargs, **extra)
+    assert dl[0] == fl[0] == "ok", (dl[1], fl[1])
+    def tensors(batch: Any) -> List[torch.Tensor]:
+        if isinstance(batch, torch.Tensor):
+            return [batch]
+        return [t for item in batch for t in tensors(item)] if isinstance(batch, (list, tuple)) else []
+
+    for f, d in zip(fl[1], dl[1]):  # all batches kept alive: later ones copied out
+        ft, dt = tensors(f), tensors(d)
+        assert all(torch.equal(a, b) for a, b in zip(ft, dt))
+        assert ([a.untyped_storage().nbytes() for a in ft]
+                == [b.untyped_storage().nbytes() for b in dt])
+        assert _memory_layout(ft) == _memory_layout(dt)
+        for a, b in zip(ft, dt):
+            assert len(pickle.dumps(a)) == len(pickle.dumps(b))
+        saved = io.BytesIO()
+        torch.save(f, saved)
+        saved.seek(0)
+        again = torch.load(saved, weights_only=False)
+        assert all(torch.equal(a, b) for a, b in zip(tensors(again), dt))
+        assert all(torch.equal(a, b) for a, b in zip(tensors(copy.deepcopy(f)), dt))
+        with pytest.raises(RuntimeError, match="not resizable"):
+            ft[0].resize_(10_000)
 
 
 def _slot_round_trip(obj: Any) -> Tuple[Any, int]:

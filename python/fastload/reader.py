@@ -11,6 +11,7 @@ the slot freed at once, so the workers never run out of slots to fill.
 
 from __future__ import annotations
 
+import bisect
 import io
 import mmap
 import os
@@ -133,13 +134,32 @@ def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torc
 
 
 class _BatchUnpickler(pickle.Unpickler):
+    """Rebuilds a batch's tensors as views of the slot (or overflow) bytes.
+
+    Each tensor gets a storage of its own over just its bytes, as it would
+    through DataLoader, where every tensor arrives in a shared-memory block
+    of its own: ``torch.save``, ``pickle`` and ``copy.deepcopy`` of one
+    tensor then see that tensor's bytes, not the whole batch's (and a batch
+    whose tensors have different dtypes can be saved at all). Tensors whose
+    bytes overlap (a row and its table, overlapping views) share one
+    storage over the union, so aliasing survives the trip. See
+    :class:`_Storages`.
+    """
+
     def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
                  deferred: Optional[List[tuple]]) -> None:
         super().__init__(f, buffers=buffers)
         self._bases = bases
         self._deferred = deferred
-        self._u8: List[Optional[torch.Tensor]] = [None] * len(bases)
+        self._storages: List[Optional[_Storages]] = [None] * len(bases)
         self._memo: Dict[int, torch.Tensor] = {}
+        self._grad: List[torch.Tensor] = []  # requires_grad set once storages are final
+
+    def load(self) -> Any:
+        out = super().load()
+        for t in self._grad:
+            t.requires_grad_(True)
+        return out
 
     def persistent_load(self, pid: tuple) -> torch.Tensor:
         if len(pid) == 1:
@@ -160,15 +180,57 @@ class _BatchUnpickler(pickle.Unpickler):
         if extent == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
-            u8 = self._u8[buf]
-            if u8 is None:
-                base = self._bases[buf]
-                if not isinstance(base, torch.Tensor):
-                    base = torch.frombuffer(base, dtype=torch.uint8)
-                u8 = self._u8[buf] = base
-            t = u8[off : off + extent].view(dtype).as_strided(shape, stride)
+            storages = self._storages[buf]
+            if storages is None:
+                storages = self._storages[buf] = _Storages(self._bases[buf])
+            t = storages.view(off, extent, dtype, shape, stride)
         if requires_grad:
-            t.requires_grad_(True)
+            self._grad.append(t)
+        return t
+
+
+class _Storages:
+    """The storages of one buffer's tensors: one per group of overlapping
+    byte ranges, each over just that group's bytes (``torch.frombuffer``
+    with an offset and a count: no copy).
+
+    Groups are kept sorted by start. A tensor whose bytes overlap no group
+    gets a storage of its own; one that overlaps groups merges them into a
+    storage over the union, and their tensors are moved onto it
+    (``Tensor.set_``, same bytes, same strides), so that the order in which
+    pickling meets a row and its table does not matter.
+    """
+
+    def __init__(self, base: Any) -> None:
+        # A tensor base (a batch copied out of its slot) lends its bytes
+        # through numpy; the storages keep it alive.
+        self._base = base.numpy() if isinstance(base, torch.Tensor) else base
+        self._starts: List[int] = []
+        self._groups: List[list] = []  # [start, end, u8 tensor, [(tensor, offset)]]
+
+    def view(self, off: int, extent: int, dtype: Any, shape: tuple, stride: tuple) -> torch.Tensor:
+        lo, hi = off, off + extent
+        i = bisect.bisect_right(self._starts, lo)
+        j = i - 1 if i and self._groups[i - 1][1] > lo else i  # first group overlapping
+        k = i
+        while k < len(self._groups) and self._groups[k][0] < hi:
+            k += 1  # groups j..k-1 overlap [lo, hi)
+        if j == k - 1 and self._groups[j][0] <= lo and hi <= self._groups[j][1]:
+            group = self._groups[j]  # inside one group: view its storage
+        else:
+            merged = self._groups[j:k]
+            if merged:
+                lo, hi = min(lo, merged[0][0]), max(hi, merged[-1][1])
+            u8 = torch.frombuffer(self._base, dtype=torch.uint8, count=hi - lo, offset=lo)
+            members = [m for g in merged for m in g[3]]
+            for m, m_off in members:
+                m.set_(u8.untyped_storage(), (m_off - lo) // m.element_size(), m.shape, m.stride())
+            group = [lo, hi, u8, members]
+            self._groups[j:k] = [group]
+            self._starts[j:k] = [lo]
+        start = group[0]
+        t = group[2][off - start : off - start + extent].view(dtype).as_strided(shape, stride)
+        group[3].append((t, off))
         return t
 
 
