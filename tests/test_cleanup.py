@@ -597,3 +597,29 @@ def test_worker_environment(allow_gpu, monkeypatch):
         assert r["seed"] == base_seed + wid
         assert r["pid"] == pids[wid]
     _assert_no_workers(pids)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("context", ["", "spawn"], ids=["zygote", "spawn"])
+def test_python_dev_mode_sees_no_resource_warning(context):
+    """Under Python's development mode (which shows every ResourceWarning,
+    in the workers too: they inherit PYTHONDEVMODE) two epochs and the
+    loader's end leave nothing unclosed, as with DataLoader."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS_DIR!r})
+        from fastload import FastLoader
+        from support.datasets import Plain
+        loader = FastLoader(Plain(16), batch_size=4, num_workers=2,
+                            multiprocessing_context={context!r} or None)
+        for epoch in range(2):
+            assert len(list(loader)) == 4
+        del loader
+        print("done", flush=True)
+    """)
+    env = dict(os.environ, PYTHONDEVMODE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+    assert "ResourceWarning" not in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr

@@ -196,6 +196,8 @@ def worker_main(spec: WorkerSpec) -> None:
         loop.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        spec.sock.close()  # else it is collected unclosed (a ResourceWarning under -X dev)
 
 
 def _isolate(spec: WorkerSpec) -> _MainWatch:
