@@ -57,8 +57,11 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
     for p in procs:
         try:
             if p.pid is not None and p.is_alive() and not exited_unseen(p):
-                log.warning("fastload worker pid %s did not stop in %.1fs; terminating it",
-                            p.pid, grace_s)
+                # Not a warning: a worker inside a slow __getitem__ cannot
+                # see the stop until it returns; DataLoader terminates such
+                # workers silently too.
+                log.info("fastload worker pid %s did not stop in %.1fs; terminating it",
+                         p.pid, grace_s)
                 p.terminate()
                 p.join(1.0)
                 if p.is_alive():

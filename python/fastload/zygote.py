@@ -214,10 +214,19 @@ def _prepare(header: Dict[str, Any]) -> None:
 def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
     """Preload the session request ``msg`` sends and answer with the outcome."""
     head = pickle.loads(msg[1:])
-    outcome, why = _preload(head, fds, lambda: ctl.send(
-        PRELOAD.pack(UNPICKLING, head["token"], 0)))
-    ctl.send(PRELOAD.pack(b"P", head["token"], outcome)
-             + why.encode(errors="replace")[:WHY_MAX])
+    outcome, why = _preload(head, fds, lambda: _send(
+        ctl, PRELOAD.pack(UNPICKLING, head["token"], 0)))
+    _send(ctl, PRELOAD.pack(b"P", head["token"], outcome) + why.encode(errors="replace")[:WHY_MAX])
+
+
+def _send(ctl: socket.socket, data: bytes) -> None:
+    """Send to the training process; if it is gone (killed while this
+    zygote was busy), say nothing: the serve loop reads its end next and
+    stops."""
+    try:
+        ctl.send(data)
+    except OSError:
+        pass
 
 
 def _fork_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> None:
@@ -229,7 +238,7 @@ def _fork_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[
     for f in fds:
         os.close(f)
     children[os.pidfd_open(pid)] = pid
-    ctl.send(STARTED.pack(b"S", pid))
+    _send(ctl, STARTED.pack(b"S", pid))
 
 
 def _be_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
@@ -255,10 +264,7 @@ def _report_exit(ctl: socket.socket, children: Dict[int, int], pidfd: int) -> No
     pid = children.pop(pidfd)
     os.close(pidfd)
     _pid, status = os.waitpid(pid, 0)
-    try:
-        ctl.send(EXITED.pack(b"X", pid, os.waitstatus_to_exitcode(status)))
-    except OSError:
-        pass
+    _send(ctl, EXITED.pack(b"X", pid, os.waitstatus_to_exitcode(status)))
 
 
 def _end_children(children: Dict[int, int]) -> None:
