@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import mmap
 import pickle
 import warnings
@@ -443,6 +444,37 @@ def _slot_round_trip(obj: Any) -> Tuple[Any, int]:
     assert overflow_fd is None
     base = torch.frombuffer(mm, dtype=torch.uint8)
     return read_batch(bytes(mm[meta_off : meta_off + meta_len]), [base]), data_len
+
+
+def test_overlapping_views_of_different_dtypes_keep_values_and_aliasing():
+    """Views of one float64 buffer as uint8, int16, int32 and float64, at
+    starts that are not multiples of the largest element, in 200 random
+    selections and orders: every value arrives, tensors that overlapped
+    still overlap at the same distance and share one storage."""
+    import random
+
+    t = torch.arange(64, dtype=torch.float64)
+    views = [t.view(torch.uint8)[1:9], t, t[1:].view(torch.int32)[1:],
+             t.view(torch.int16)[3:], t[5:9], t[2:4], t.view(torch.uint8)[100:103], t[40:41]]
+
+    def span(a: torch.Tensor) -> Tuple[int, int]:
+        return a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+
+    def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+        (a0, a1), (b0, b1) = span(a), span(b)
+        return a0 < b1 and b0 < a1
+
+    rng = random.Random(0)
+    for _ in range(200):
+        picked = rng.sample(views, rng.randint(1, len(views)))
+        out, _used = _slot_round_trip(tuple(picked))
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(out, picked))
+        for x, y in itertools.combinations(range(len(picked)), 2):
+            assert overlap(out[x], out[y]) == overlap(picked[x], picked[y])
+            if overlap(picked[x], picked[y]):
+                assert (out[x].data_ptr() - out[y].data_ptr()
+                        == picked[x].data_ptr() - picked[y].data_ptr())
+                assert out[x].untyped_storage().data_ptr() == out[y].untyped_storage().data_ptr()
 
 
 def test_small_view_of_a_big_storage_copies_only_the_view():

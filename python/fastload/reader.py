@@ -189,6 +189,9 @@ class _BatchUnpickler(pickle.Unpickler):
         return t
 
 
+_MAX_ITEMSIZE = 16  # complex128
+
+
 class _Storages:
     """The storages of one buffer's tensors: one per group of overlapping
     byte ranges, each over just that group's bytes (``torch.frombuffer``
@@ -215,12 +218,24 @@ class _Storages:
         k = i
         while k < len(self._groups) and self._groups[k][0] < hi:
             k += 1  # groups j..k-1 overlap [lo, hi)
-        if j == k - 1 and self._groups[j][0] <= lo and hi <= self._groups[j][1]:
+        size = dtype.itemsize
+        if (j == k - 1 and self._groups[j][0] <= lo and hi <= self._groups[j][1]
+                and (off - self._groups[j][0]) % size == 0):
             group = self._groups[j]  # inside one group: view its storage
         else:
+            if j < k:
+                # Members may differ in dtype: a start aligned for the
+                # largest element keeps every member's offset a whole number
+                # of its elements (the writer aligns each tensor to its own).
+                # Groups the aligned start reaches join too, so that groups
+                # stay disjoint and sorted.
+                lo, hi = min(lo, self._groups[j][0]), max(hi, self._groups[k - 1][1])
+                lo -= lo % _MAX_ITEMSIZE
+                while j and self._groups[j - 1][1] > lo:
+                    j -= 1
+                    lo = min(lo, self._groups[j][0])
+                    lo -= lo % _MAX_ITEMSIZE
             merged = self._groups[j:k]
-            if merged:
-                lo, hi = min(lo, merged[0][0]), max(hi, merged[-1][1])
             u8 = torch.frombuffer(self._base, dtype=torch.uint8, count=hi - lo, offset=lo)
             members = [m for g in merged for m in g[3]]
             for m, m_off in members:
