@@ -123,9 +123,9 @@ def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torc
     """A nested tensor over ``values`` (1-D, contiguous), no copy.
 
     torch's nested view reads its buffer from the start of the buffer's
-    storage, and values viewing a slot start inside the slot's storage: it
-    gets a storage of its own over the same bytes (which keeps the slot's
-    alive through numpy's reference).
+    storage, and values whose storage they share with other tensors of the
+    batch start inside it: they get a storage of their own over the same
+    bytes (which keeps the shared one alive through numpy's reference).
     """
     if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
         values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
@@ -208,12 +208,11 @@ class _Storages:
         # A tensor base (a batch copied out of its slot) lends its bytes
         # through numpy; the storages keep it alive.
         self._base = base.numpy() if isinstance(base, torch.Tensor) else base
-        self._starts: List[int] = []
         self._groups: List[list] = []  # [start, end, u8 tensor, [(tensor, offset)]]
 
     def view(self, off: int, extent: int, dtype: Any, shape: tuple, stride: tuple) -> torch.Tensor:
         lo, hi = off, off + extent
-        i = bisect.bisect_right(self._starts, lo)
+        i = bisect.bisect_right(self._groups, lo, key=lambda g: g[0])
         j = i - 1 if i and self._groups[i - 1][1] > lo else i  # first group overlapping
         k = i
         while k < len(self._groups) and self._groups[k][0] < hi:
@@ -242,7 +241,6 @@ class _Storages:
                 m.set_(u8.untyped_storage(), (m_off - lo) // m.element_size(), m.shape, m.stride())
             group = [lo, hi, u8, members]
             self._groups[j:k] = [group]
-            self._starts[j:k] = [lo]
         start = group[0]
         t = group[2][off - start : off - start + extent].view(dtype).as_strided(shape, stride)
         group[3].append((t, off))
