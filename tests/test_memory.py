@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import tracemalloc
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -73,6 +75,50 @@ def test_normal_batches_keep_their_slots() -> None:
         del ring
     finally:
         del loader
+        gc.collect()
+
+
+class BigArray(Dataset):
+    """A dataset whose pickle is ``BLOB`` bytes."""
+
+    def __init__(self) -> None:
+        self.data = np.zeros(BLOB, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.data[i])
+
+
+BLOB = 32 << 20
+
+
+@pytest.mark.parametrize("how", ["default", "persistent", "spawn", "restartable"])
+def test_the_training_process_lets_go_of_the_pickled_dataset(how: str) -> None:
+    """The session's pickle is as big as the dataset. Once the workers have
+    it, only a replacement worker could need it: the training process keeps
+    it only where a restart can happen, not for the iterator's life."""
+    kw: dict = {"persistent": dict(persistent_workers=True),
+                "spawn": dict(multiprocessing_context="spawn"),
+                "restartable": dict(max_worker_restarts=1)}.get(how, {})
+    loader = FastLoader(BigArray(), batch_size=2, num_workers=2, **kw)
+    tracemalloc.start()
+    try:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 0]
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    try:
+        if how == "restartable":
+            assert held >= BLOB  # kept for a replacement worker
+        else:
+            assert held < BLOB // 4
+        assert len(list(it)) == 7
+    finally:
+        del it, loader
         gc.collect()
 
 

@@ -121,7 +121,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
     def _open_pool(self, loader: DataLoader, state: LoaderState, device_runtime: Any) -> None:
         """Pack the session, take a pool (warm or new) and set up its parts."""
         opts = state.options
-        self._blob, ctx, inherited = crossing.pack_session(
+        blob, ctx, inherited = crossing.pack_session(
             (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
              self._auto_collation, self._drop_last),
             loader.multiprocessing_context or default_context(), state)
@@ -135,11 +135,18 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         pinner = self._pinner = pool.pinner if self._pin_memory else None
         self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
                                   opts.held_batches, pinner)
+        restartable = self._dataset_kind == _DatasetKind.Map
+        # The pickled session is as big as the dataset. The iterator holds it
+        # until its workers have it (_start_session); after that only a
+        # replacement worker could need it, so it is kept only where a
+        # restart can happen, and otherwise this process does not carry a
+        # second copy of the dataset for the iterator's life.
+        self._blob = blob
+        kept = blob if restartable and opts.max_worker_restarts > 0 else None
         self._supervisor = Supervisor(
             pool, self._ledger, hang_timeout=opts.hang_timeout,
-            max_restarts=opts.max_worker_restarts,
-            restartable=self._dataset_kind == _DatasetKind.Map,
-            start_session=functools.partial(restart_session, pool, self._blob, self._base_seed,
+            max_restarts=opts.max_worker_restarts, restartable=restartable,
+            start_session=functools.partial(restart_session, pool, kept, self._base_seed,
                                             self._book, self._reader))
 
     def _start_session(self, state: LoaderState, saved: Optional[dict]) -> None:
@@ -155,7 +162,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._ledger.drain(self._wait_one)
         self._trim_slots(state)
         self._ledger.make_free(self._num_workers)
-        self._pool.start_session(self._blob, self._base_seed, resume=workers,
+        blob, self._blob = self._blob, None
+        self._pool.start_session(blob, self._base_seed, resume=workers,
                                  preload_timeout=state.options.hang_timeout)
 
     # ---- epoch set-up ------------------------------------------------------
