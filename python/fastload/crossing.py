@@ -238,9 +238,10 @@ def read_memfd(fd: int) -> bytes:
         os.close(fd)
 
 def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel], Any, Optional[tuple]]:
-    """The session a loader's workers get: ``payload`` = (dataset,
-    collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)
-    packed for ``ctx``'s workers. Returns (parcel, context, None), or, where
+    """The session a loader's workers get: ``payload`` = (process state,
+    dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
+    drop_last) packed for ``ctx``'s workers (the state first: see
+    :mod:`fastload.process_state`). Returns (parcel, context, None), or, where
     only fork can hand the objects over (a fork-context ``multiprocessing``
     object) and the loader asked for no start method, (None, the fork
     context, payload): DataLoader's default on Linux is fork, so fastload
@@ -250,7 +251,7 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
 
     try:
         return pack(payload, "dataset, collate_fn and worker_init_fn",
-                    names=("dataset", "collate_fn", "worker_init_fn")), ctx, None
+                    names=(None, "dataset", "collate_fn", "worker_init_fn")), ctx, None
     except ForkOnlyError as e:
         if ctx != default_context():
             add_note(e, "fastload: create it from the loader's start method, e.g. "

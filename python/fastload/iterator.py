@@ -57,6 +57,7 @@ from .iterator_resume import ResumeMixin
 from .ledger import Record, Role
 from .lineage import default_context
 from .pool import WorkerPool
+from .process_state import ProcessState
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
 from .warm import LoaderState
@@ -122,7 +123,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         """Pack the session, take a pool (warm or new) and set up its parts."""
         opts = state.options
         blob, ctx, inherited = crossing.pack_session(
-            (self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
+            (ProcessState.capture(), self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
              self._auto_collation, self._drop_last),
             loader.multiprocessing_context or default_context(), state)
         pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,

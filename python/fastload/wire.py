@@ -9,8 +9,9 @@ Three channels connect them (see docs/design.md, "The ring"):
 
   - ``(OP_SESSION, base_seed, inherited, resume, preloaded)``: start a
     session. Unless ``inherited``, the pool has just sent the worker, over
-    its socket, the memfd of the pickled ``(dataset, collate_fn,
-    worker_init_fn, dataset_kind, auto_collation, drop_last)`` followed by
+    its socket, the memfd of the pickled ``(process state, dataset,
+    collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)``
+    (:mod:`fastload.process_state`) followed by
     the fds of what the dataset shares (:func:`send_session` / the worker's
     ``recv_session``). ``inherited``: the same objects came with the fork:
     from the training process (the worker's spec holds them), or, when

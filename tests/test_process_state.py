@@ -1,0 +1,106 @@
+"""Workers see the training process's environment, default dtype and
+``warnings`` filters as they are at ``iter()``, as DataLoader's forked
+workers do, although fastload's are forked from a zygote started earlier."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fastload import FastLoader
+from fastload.process_state import ProcessState
+
+VAR = "FASTLOAD_TEST_SETTING"
+GONE = "FASTLOAD_TEST_GONE"
+
+
+class Snoop(Dataset):
+    """Each sample: what its worker sees of the process state."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn("fastload test: silenced by the script", UserWarning)
+        return {"env": os.environ.get(VAR, "<unset>"), "gone": os.environ.get(GONE, "<unset>"),
+                "dtype": str(torch.tensor([0.5]).dtype), "warned": len(caught)}
+
+
+def _seen(loader) -> list:
+    return [(b["env"], b["gone"], b["dtype"], b["warned"].tolist()) for b in loader]
+
+
+@pytest.fixture
+def script_state(monkeypatch):
+    """What a training script might set after building its loader; undone after."""
+    dtype = torch.get_default_dtype()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the script's own filters, before it changes them
+        def change() -> None:
+            monkeypatch.setenv(VAR, "set after the loader")
+            monkeypatch.delenv(GONE, raising=False)
+            torch.set_default_dtype(torch.float64)
+            warnings.filterwarnings("ignore", message="fastload test: silenced")
+        try:
+            yield change
+        finally:
+            torch.set_default_dtype(dtype)
+
+
+@pytest.mark.parametrize("how", ["default", "persistent", "spawn"])
+def test_workers_see_what_the_script_set_before_iter(script_state, monkeypatch, how: str) -> None:
+    kw: dict = {"persistent": dict(persistent_workers=True),
+                "spawn": dict(multiprocessing_context="spawn")}.get(how, {})
+    monkeypatch.setenv(GONE, "set before the loader, unset after")
+    loader = FastLoader(Snoop(), batch_size=2, num_workers=2, **kw)
+    reference = DataLoader(Snoop(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    try:
+        before = _seen(loader)
+        assert before == _seen(reference)
+        assert before[0] == (["<unset>"] * 2, ["set before the loader, unset after"] * 2,
+                             ["torch.float32"] * 2, [1, 1])  # (batched by the default collate)
+        script_state()
+        after = _seen(loader)
+        expected = _seen(reference)
+        if how == "persistent":  # the same workers all along, as DataLoader's
+            assert after == before
+        else:
+            assert after == expected
+            assert after[0] == (["set after the loader"] * 2, ["<unset>"] * 2,
+                                ["torch.float64"] * 2, [0, 0])
+    finally:
+        del loader
+
+
+def test_accelerators_stay_hidden_and_the_state_round_trips(monkeypatch) -> None:
+    """Applying a state leaves the accelerator variables as this process has
+    them (the loader hides them in workers), and sets everything else."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv(VAR, "here")
+    dtype = torch.get_default_dtype()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="a pattern", category=DeprecationWarning,
+                                module="some\\.module", lineno=7)
+        warnings.simplefilter("ignore", ResourceWarning)
+        state = ProcessState.capture()
+        captured_filters = list(warnings.filters)
+        state.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        monkeypatch.delenv(VAR)
+        monkeypatch.setenv(GONE, "not in the captured state")
+        warnings.resetwarnings()
+        torch.set_default_dtype(torch.float64)
+        try:
+            pickle.loads(pickle.dumps(state))  # applies it
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+            assert os.environ[VAR] == "here"
+            assert GONE not in os.environ
+            assert torch.get_default_dtype() == dtype
+            assert warnings.filters == captured_filters
+        finally:
+            torch.set_default_dtype(dtype)
