@@ -87,3 +87,53 @@ def test_private_multiprocessing_names_used_still_work():
     finally:
         mp_context.set_spawning_popen(None)
     assert calls == [5]
+
+
+class _HoldsHandles(torch.utils.data.Dataset):
+    """What DataLoader's forked workers inherit and pickle refuses: an open
+    file, a lock, a sqlite connection, a generator."""
+
+    def __init__(self, path: str) -> None:
+        import sqlite3
+        import threading
+
+        self.file = open(path)
+        self.lock = threading.Lock()
+        self.db = sqlite3.connect(":memory:")
+        self.gen = (i for i in range(3))
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple:
+        with self.lock:
+            letter = os.pread(self.file.fileno(), 1, i).decode()  # the offset is shared
+            return i, letter, self.db.execute("select ?", (i,)).fetchone()[0]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_explicit_fork_hands_the_dataset_over_unpickled(tmp_path, persistent: bool) -> None:
+    """With ``multiprocessing_context="fork"`` workers are forked from the
+    training process with the dataset itself, as DataLoader's are, so what
+    cannot be pickled works there too; each epoch sees the dataset as it is."""
+    from torch.utils.data import DataLoader
+
+    from fastload import FastLoader
+
+    path = tmp_path / "letters"
+    path.write_text("abcdefgh")
+    ds = _HoldsHandles(os.fspath(path))
+    kw = dict(batch_size=3, num_workers=2, multiprocessing_context="fork",
+              persistent_workers=persistent)
+    loader = FastLoader(ds, **kw)
+    reference = DataLoader(ds, **kw)
+    try:
+        for letters in ("abcdefgh", "ABCDEFGH"):  # read through the inherited handle
+            path.write_text(letters)
+            got = [(b[0].tolist(), list(b[1]), b[2].tolist()) for b in loader]
+            assert got == [(b[0].tolist(), list(b[1]), b[2].tolist()) for b in reference]
+            assert got[2] == ([6, 7], list(letters[6:]), [6, 7])
+    finally:
+        del loader, reference
+        ds.file.close()
+        ds.db.close()

@@ -241,14 +241,20 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     """The session a loader's workers get: ``payload`` = (process state,
     dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
     drop_last) packed for ``ctx``'s workers (the state first: see
-    :mod:`fastload.process_state`). Returns (parcel, context, None), or, where
-    only fork can hand the objects over (a fork-context ``multiprocessing``
-    object) and the loader asked for no start method, (None, the fork
-    context, payload): DataLoader's default on Linux is fork, so fastload
-    does what DataLoader does for this dataset, and says so once per loader
+    :mod:`fastload.process_state`). Returns (parcel, context, None), or
+    (None, a fork context, payload) where the workers are to be forked from
+    this process with the objects themselves, never pickled, as DataLoader's
+    are: under an explicit ``fork`` context (a dataset holding an open file,
+    a lock or a database connection works there with DataLoader, so it must
+    here), and where only fork can hand the objects over (a fork-context
+    ``multiprocessing`` object) and the loader asked for no start method:
+    DataLoader's default on Linux is fork, so fastload does what DataLoader
+    does for this dataset, and says so once per loader
     (``state.warned_fork``)."""
-    from .lineage import default_context
+    from .lineage import default_context, launcher_of
 
+    if launcher_of(ctx) is None:
+        return None, ctx, payload
     try:
         return pack(payload, "dataset, collate_fn and worker_init_fn",
                     names=(None, "dataset", "collate_fn", "worker_init_fn")), ctx, None
