@@ -123,8 +123,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         """Pack the session, take a pool (warm or new) and set up its parts."""
         opts = state.options
         blob, ctx, inherited = crossing.pack_session(
-            (ProcessState.capture(), self._dataset, self._collate_fn, loader.worker_init_fn, self._dataset_kind,
-             self._auto_collation, self._drop_last),
+            (ProcessState.capture(), self._dataset, self._collate_fn, loader.worker_init_fn,
+             self._dataset_kind, self._auto_collation, self._drop_last),
             loader.multiprocessing_context or default_context(), state)
         pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,
                               persistent=self._persistent_workers, inherited=inherited)

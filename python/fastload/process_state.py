@@ -37,8 +37,8 @@ _Filter = Tuple[Any, ...]  # an entry of warnings.filters
 
 class ProcessState:
     """The environment, torch's default dtype and the ``warnings`` filters of
-    this process (see the module's docstring). Pickling it captures nothing
-    more; unpickling it applies it to the process that unpickles it."""
+    a process, taken by :meth:`capture` (see the module's docstring).
+    Unpickling one applies it to the process that unpickles it."""
 
     def __init__(self, environ: Dict[str, str], default_dtype: Any,
                  warning_filters: List[_Filter]) -> None:
