@@ -4,8 +4,10 @@ workers do, although fastload's are forked from a zygote started earlier."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import sys
 import warnings
 
 import pytest
@@ -29,28 +31,36 @@ class Snoop(Dataset):
         with warnings.catch_warnings(record=True) as caught:
             warnings.warn("fastload test: silenced by the script", UserWarning)
         return {"env": os.environ.get(VAR, "<unset>"), "gone": os.environ.get(GONE, "<unset>"),
-                "dtype": str(torch.tensor([0.5]).dtype), "warned": len(caught)}
+                "dtype": str(torch.tensor([0.5]).dtype), "warned": len(caught),
+                "modes": f"{torch.is_grad_enabled()} {torch.are_deterministic_algorithms_enabled()} "
+                         f"{torch.get_float32_matmul_precision()}"}
 
 
 def _seen(loader) -> list:
-    return [(b["env"], b["gone"], b["dtype"], b["warned"].tolist()) for b in loader]
+    return [(b["env"], b["gone"], b["dtype"], b["warned"].tolist(), b["modes"]) for b in loader]
 
 
 @pytest.fixture
 def script_state(monkeypatch):
     """What a training script might set after building its loader; undone after."""
-    dtype = torch.get_default_dtype()
+    dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # the script's own filters, before it changes them
         def change() -> None:
             monkeypatch.setenv(VAR, "set after the loader")
             monkeypatch.delenv(GONE, raising=False)
             torch.set_default_dtype(torch.float64)
+            torch.set_grad_enabled(False)
+            torch.use_deterministic_algorithms(True)
+            torch.set_float32_matmul_precision("medium")
             warnings.filterwarnings("ignore", message="fastload test: silenced")
         try:
             yield change
         finally:
             torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(True)
+            torch.use_deterministic_algorithms(False)
+            torch.set_float32_matmul_precision(precision)
 
 
 @pytest.mark.parametrize("how", ["default", "persistent", "spawn"])
@@ -64,7 +74,7 @@ def test_workers_see_what_the_script_set_before_iter(script_state, monkeypatch, 
         before = _seen(loader)
         assert before == _seen(reference)
         assert before[0] == (["<unset>"] * 2, ["set before the loader, unset after"] * 2,
-                             ["torch.float32"] * 2, [1, 1])  # (batched by the default collate)
+                             ["torch.float32"] * 2, [1, 1], ["True False highest"] * 2)
         script_state()
         after = _seen(loader)
         expected = _seen(reference)
@@ -73,14 +83,15 @@ def test_workers_see_what_the_script_set_before_iter(script_state, monkeypatch, 
         else:
             assert after == expected
             assert after[0] == (["set after the loader"] * 2, ["<unset>"] * 2,
-                                ["torch.float64"] * 2, [0, 0])
+                                ["torch.float64"] * 2, [0, 0], ["False True medium"] * 2)
     finally:
         del loader
 
 
 def test_accelerators_stay_hidden_and_the_state_round_trips(monkeypatch) -> None:
     """Applying a state leaves the accelerator variables as this process has
-    them (the loader hides them in workers), and sets everything else."""
+    them (the loader hides them in workers), and sets everything else; the
+    filters naming a warning class this process has not imported stay out."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv(VAR, "here")
     dtype = torch.get_default_dtype()
@@ -88,19 +99,57 @@ def test_accelerators_stay_hidden_and_the_state_round_trips(monkeypatch) -> None
         warnings.filterwarnings("error", message="a pattern", category=DeprecationWarning,
                                 module="some\\.module", lineno=7)
         warnings.simplefilter("ignore", ResourceWarning)
+        warnings.simplefilter("ignore", SnoopWarning)
         state = ProcessState.capture()
         captured_filters = list(warnings.filters)
         state.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        state.warning_filters.insert(0, ("ignore", None, ("not.imported.anywhere", "W"), None, 0))
         monkeypatch.delenv(VAR)
         monkeypatch.setenv(GONE, "not in the captured state")
         warnings.resetwarnings()
         torch.set_default_dtype(torch.float64)
         try:
-            pickle.loads(pickle.dumps(state))  # applies it
+            pickle.loads(pickle.dumps(state)).apply_filters()
             assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
             assert os.environ[VAR] == "here"
             assert GONE not in os.environ
             assert torch.get_default_dtype() == dtype
             assert warnings.filters == captured_filters
+            assert "not.imported.anywhere" not in sys.modules
         finally:
             torch.set_default_dtype(dtype)
+
+
+class SnoopWarning(UserWarning):
+    pass
+
+
+def test_a_filter_does_not_import_its_warning_class_s_package_in_workers(
+        tmp_path, monkeypatch, caplog) -> None:
+    """Lightning and SciPy install filters for their own warning classes.
+    Workers that never import those packages get no such filter, rather than
+    an import each (which in the zygote starts threads and stops it sharing
+    the dataset)."""
+    (tmp_path / "heavy_package.py").write_text(
+        "import os\n"
+        "with open(os.environ['FASTLOAD_TEST_IMPORTS'], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "class HeavyWarning(Warning):\n"
+        "    pass\n")
+    imports = tmp_path / "imports"
+    monkeypatch.setenv("FASTLOAD_TEST_IMPORTS", os.fspath(imports))
+    monkeypatch.syspath_prepend(os.fspath(tmp_path))
+    monkeypatch.delitem(sys.modules, "heavy_package", raising=False)
+    import heavy_package
+
+    loader = FastLoader(Snoop(), batch_size=2, num_workers=2)
+    try:
+        with warnings.catch_warnings(), caplog.at_level(logging.DEBUG, logger="fastload"):
+            warnings.simplefilter("always")
+            warnings.simplefilter("ignore", heavy_package.HeavyWarning)
+            for _epoch in range(2):
+                assert len(list(loader)) == 2
+    finally:
+        del loader
+    assert imports.read_text().split() == [str(os.getpid())]  # this process's import only
+    assert not [r for r in caplog.records if "unpickle the dataset themselves" in r.getMessage()]

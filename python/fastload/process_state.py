@@ -1,18 +1,27 @@
 """The training process's settings that workers take on with each session.
 
 A worker forked by DataLoader from the training process inherits its
-environment, torch's default dtype and the ``warnings`` filters as they are
-at ``iter()``. A worker forked from the zygote inherits the zygote's instead:
-the environment as it was when the loader was constructed, float32, and
-Python's default filters. Such a worker would make float32 tensors in a
-float64 script, miss an environment variable set after the loader was built,
-and print warnings the script silenced.
+environment, torch's global modes and the ``warnings`` filters as they are at
+``iter()``; a spawned one gets those the script's top level sets, which it
+re-runs. A worker forked from the zygote would have the zygote's instead:
+the environment as it was when the loader was constructed, torch's defaults
+and Python's default filters. It would make float32 tensors in a float64
+script, track gradients where the script turned them off, miss an
+environment variable set after the loader was built, and print warnings the
+script silenced.
 
 So each session carries a :class:`ProcessState` captured at ``iter()``, at
-the head of the session's pickle. Unpickling it applies it, before the
-dataset that follows it is unpickled (its ``__setstate__`` may read any of
-these): in the zygote that preloads the session, which the workers forked
-from it then inherit, or in a worker that unpickles the session itself.
+the head of the session's pickle. Unpickling it applies the environment and
+torch's modes before the dataset that follows it is unpickled (its
+``__setstate__`` may read them): in the zygote that preloads the session,
+whose workers then inherit them, or in a worker that unpickles the session
+itself. The ``warnings`` filters are applied by the worker once it has the
+dataset (:meth:`ProcessState.apply_filters`), and only those whose warning
+class is already imported there: a filter naming a class of a package the
+worker never imported (Lightning's and SciPy's install some) cannot match
+anything it raises, and importing that package just to hold the filter would
+cost every worker the import, and the zygote its safety (such imports start
+threads).
 
 Left as they are: the accelerator variables (hidden or not by the loader,
 see ``fastload.wire``), the ``logging`` configuration (handlers hold streams
@@ -22,28 +31,27 @@ globals the script changed at run time.
 
 from __future__ import annotations
 
-import logging
 import os
+import sys
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from . import _pickling
 from .wire import ACCELERATOR_ENV
 
-log = logging.getLogger("fastload")
-
-_Filter = Tuple[Any, ...]  # an entry of warnings.filters
+# An entry of warnings.filters, its category as (module, qualified name).
+_Filter = Tuple[str, Any, Tuple[str, str], Any, int]
 
 
 class ProcessState:
-    """The environment, torch's default dtype and the ``warnings`` filters of
-    a process, taken by :meth:`capture` (see the module's docstring).
-    Unpickling one applies it to the process that unpickles it."""
+    """The environment, torch's global modes (default dtype, grad mode,
+    deterministic algorithms, float32 matmul precision) and the ``warnings``
+    filters of a process, taken by :meth:`capture` (see the module's
+    docstring). Unpickling one applies all but the filters."""
 
-    def __init__(self, environ: Dict[str, str], default_dtype: Any,
+    def __init__(self, environ: Dict[str, str], torch_modes: Dict[str, Any],
                  warning_filters: List[_Filter]) -> None:
         self.environ = environ
-        self.default_dtype = default_dtype
+        self.torch_modes = torch_modes
         self.warning_filters = warning_filters
 
     @classmethod
@@ -51,13 +59,22 @@ class ProcessState:
         """This process's state now."""
         import torch
 
-        return cls(dict(os.environ), torch.get_default_dtype(), _sendable(warnings.filters))
+        modes = {
+            "default_dtype": torch.get_default_dtype(),
+            "grad_enabled": torch.is_grad_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        }
+        filters = [(action, message, (category.__module__, category.__qualname__), module, lineno)
+                   for action, message, category, module, lineno in warnings.filters]
+        return cls(dict(os.environ), modes, filters)
 
     def __reduce__(self) -> Any:
-        return _apply, (self.environ, self.default_dtype, self.warning_filters)
+        return _apply, (self.environ, self.torch_modes, self.warning_filters)
 
     def apply(self) -> None:
-        """Make this process's state the captured one."""
+        """Make this process's environment and torch's modes the captured ones."""
         import torch
 
         for key in [k for k in os.environ if k not in self.environ and k not in ACCELERATOR_ENV]:
@@ -65,30 +82,37 @@ class ProcessState:
         for key, value in self.environ.items():
             if key not in ACCELERATOR_ENV and os.environ.get(key) != value:
                 os.environ[key] = value
-        torch.set_default_dtype(self.default_dtype)
+        modes = self.torch_modes
+        torch.set_default_dtype(modes["default_dtype"])
+        torch.set_grad_enabled(modes["grad_enabled"])  # this thread's: the one that fetches
+        torch.use_deterministic_algorithms(modes["deterministic"],
+                                           warn_only=modes["deterministic_warn_only"])
+        torch.set_float32_matmul_precision(modes["float32_matmul_precision"])
+
+    def apply_filters(self) -> None:
+        """Make this process's ``warnings`` filters the captured ones whose
+        warning class is imported here (see the module's docstring)."""
+        filters = []
+        for action, message, (module_name, qualname), module, lineno in self.warning_filters:
+            category = _imported(module_name, qualname)
+            if category is not None:
+                filters.append((action, message, category, module, lineno))
         # resetwarnings() also voids every module's record of the warnings
         # it has shown, so the filters set next decide from the next warning.
         warnings.resetwarnings()
-        warnings.filters[:] = self.warning_filters
+        warnings.filters[:] = filters
 
 
-def _apply(environ: Dict[str, str], default_dtype: Any,
+def _apply(environ: Dict[str, str], torch_modes: Dict[str, Any],
            warning_filters: List[_Filter]) -> ProcessState:
-    state = ProcessState(environ, default_dtype, warning_filters)
+    state = ProcessState(environ, torch_modes, warning_filters)
     state.apply()
     return state
 
 
-def _sendable(filters: List[_Filter]) -> List[_Filter]:
-    """The filters a worker can be sent. One whose category cannot be
-    pickled (a class defined inside a function, say) stays behind, with a
-    debug message: a filter is a nicety, never a reason to fail the epoch."""
-    out = []
-    for entry in filters:
-        try:
-            _pickling.dumps(entry)
-        except Exception as e:  # noqa: BLE001 - pickling errors come as many types
-            log.debug("fastload: the warnings filter %r stays in this process: %s", entry, e)
-            continue
-        out.append(entry)
-    return out
+def _imported(module_name: str, qualname: str) -> Optional[type]:
+    """The class ``module_name.qualname`` if its module is imported here."""
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Warning) else None

@@ -131,10 +131,12 @@ class _Session:
         (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
          self.drop_last) = (None, None, None, 0, True, False)
         try:
-            # The process state was applied as it was unpickled (here or in
-            # the zygote); an inherited one is this process's already.
-            (_state, self.dataset, self.collate_fn, init_fn, self.dataset_kind,
+            # The process state's environment and torch modes were applied
+            # as it was unpickled (here or in the zygote); its warnings
+            # filters go in now, with the dataset's modules imported.
+            (state, self.dataset, self.collate_fn, init_fn, self.dataset_kind,
              self.auto_collation, self.drop_last) = load()
+            state.apply_filters()
             self.collate_fn = wrap_collate(self.collate_fn)
         except Exception:
             self.init_exception = ExceptionWrapper(
