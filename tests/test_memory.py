@@ -78,6 +78,36 @@ def test_normal_batches_keep_their_slots() -> None:
         gc.collect()
 
 
+class ImageAndLabel(Dataset):
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> tuple:
+        return torch.full((1 << 20,), float(i)), i  # 4 MB; a batch of 2 is 8 MB
+
+
+def test_keeping_each_batch_s_labels_keeps_only_the_labels() -> None:
+    """Metric code keeps each batch's labels and drops its images. Past the
+    batches that may stay in their slots (``held_batches``), each batch is
+    copied out, each tensor into memory of its own, as DataLoader's arrive:
+    the labels alone stay, not a copy of the whole batch each."""
+    loader = FastLoader(ImageAndLabel(), batch_size=2, num_workers=2)
+    me = psutil.Process()
+    labels = []
+    try:
+        for k, (images, label) in enumerate(loader):
+            labels.append(label)
+            del images
+            if k == 8:  # well past the held batches
+                start = me.memory_full_info().uss
+        grown = me.memory_full_info().uss - start
+        assert torch.cat(labels).tolist() == list(range(96))
+        assert grown < 4 * 8 * MB, f"{grown / MB:.0f} MB more over 39 batches of 8 MB"
+    finally:
+        del loader
+        gc.collect()
+
+
 class BigArray(Dataset):
     """A dataset whose pickle is ``BLOB`` bytes."""
 

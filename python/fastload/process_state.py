@@ -82,12 +82,21 @@ class ProcessState:
         for key, value in self.environ.items():
             if key not in ACCELERATOR_ENV and os.environ.get(key) != value:
                 os.environ[key] = value
+        # Each set only where it differs: use_deterministic_algorithms()
+        # loads ~70 MB of torch the first time it is called, even to say
+        # False, and every worker would carry it.
         modes = self.torch_modes
-        torch.set_default_dtype(modes["default_dtype"])
-        torch.set_grad_enabled(modes["grad_enabled"])  # this thread's: the one that fetches
-        torch.use_deterministic_algorithms(modes["deterministic"],
-                                           warn_only=modes["deterministic_warn_only"])
-        torch.set_float32_matmul_precision(modes["float32_matmul_precision"])
+        if torch.get_default_dtype() != modes["default_dtype"]:
+            torch.set_default_dtype(modes["default_dtype"])
+        if torch.is_grad_enabled() != modes["grad_enabled"]:
+            torch.set_grad_enabled(modes["grad_enabled"])  # this thread's: the one that fetches
+        if (torch.are_deterministic_algorithms_enabled() != modes["deterministic"]
+                or torch.is_deterministic_algorithms_warn_only_enabled()
+                != modes["deterministic_warn_only"]):
+            torch.use_deterministic_algorithms(modes["deterministic"],
+                                               warn_only=modes["deterministic_warn_only"])
+        if torch.get_float32_matmul_precision() != modes["float32_matmul_precision"]:
+            torch.set_float32_matmul_precision(modes["float32_matmul_precision"])
 
     def apply_filters(self) -> None:
         """Make this process's ``warnings`` filters the captured ones whose

@@ -80,11 +80,14 @@ class SlotReader:
         if self._ledger.live_leases() <= self._held_batches:
             return _read(rec, meta, [lease, overflow])
         # The loop keeps batches alive: copy this one out so workers keep
-        # enough slots to fill (never a deadlock, never an overwrite).
-        meta = bytes(meta)
-        copy = torch.frombuffer(lease, dtype=torch.uint8)[:data_len].clone() if data_len else None
-        del lease  # frees the slot now
-        return _read(rec, meta, [copy, overflow])
+        # enough slots to fill (never a deadlock, never an overwrite). Each
+        # tensor (each group of overlapping ones) and each buffer gets
+        # memory of its own, as with DataLoader: code that keeps a batch's
+        # labels and drops its images keeps the labels' bytes alone.
+        try:
+            return _read(rec, bytes(meta), [lease, overflow], copy=True)
+        finally:
+            del lease  # frees the slot now: nothing read refers to it
 
     def peek_snapshot(self, rec: Record) -> Optional[bytes]:
         """The resume capture of a done batch still in its slot, left there
@@ -107,11 +110,11 @@ class SlotReader:
             os.close(fd)
 
 
-def _read(rec: Record, meta: Any, buffers: List[Any]) -> Any:
+def _read(rec: Record, meta: Any, buffers: List[Any], copy: bool = False) -> Any:
     """read_batch; an error (e.g. an object that cannot be unpickled here)
     keeps its type and message and gets a note naming the batch."""
     try:
-        return read_batch(meta, buffers)
+        return read_batch(meta, buffers, copy)
     except Exception as e:
         add_note(e, f"fastload: raised while rebuilding batch {rec.idx} (sample indices "
                    f"{short_list(as_list(rec.index))}) in the main process")
@@ -147,9 +150,10 @@ class _BatchUnpickler(pickle.Unpickler):
     """
 
     def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
-                 deferred: Optional[List[tuple]]) -> None:
+                 deferred: Optional[List[tuple]], copy: bool = False) -> None:
         super().__init__(f, buffers=buffers)
         self._bases = bases
+        self._copy = copy
         self._deferred = deferred
         self._storages: List[Optional[_Storages]] = [None] * len(bases)
         self._memo: Dict[int, torch.Tensor] = {}
@@ -182,7 +186,7 @@ class _BatchUnpickler(pickle.Unpickler):
         else:
             storages = self._storages[buf]
             if storages is None:
-                storages = self._storages[buf] = _Storages(self._bases[buf])
+                storages = self._storages[buf] = _Storages(self._bases[buf], self._copy)
             t = storages.view(off, extent, dtype, shape, stride)
         if requires_grad:
             self._grad.append(t)
@@ -195,7 +199,8 @@ _MAX_ITEMSIZE = 16  # complex128
 class _Storages:
     """The storages of one buffer's tensors: one per group of overlapping
     byte ranges, each over just that group's bytes (``torch.frombuffer``
-    with an offset and a count: no copy).
+    with an offset and a count: no copy), or, for a batch copied out of its
+    slot, each a copy of just that group's bytes.
 
     Groups are kept sorted by start. A tensor whose bytes overlap no group
     gets a storage of its own; one that overlaps groups merges them into a
@@ -204,10 +209,11 @@ class _Storages:
     pickling meets a row and its table does not matter.
     """
 
-    def __init__(self, base: Any) -> None:
-        # A tensor base (a batch copied out of its slot) lends its bytes
-        # through numpy; the storages keep it alive.
+    def __init__(self, base: Any, copy: bool = False) -> None:
+        # The storages keep the base alive (a tensor's through numpy), or
+        # with ``copy`` hold copies of its bytes (one per group) and let it go.
         self._base = base.numpy() if isinstance(base, torch.Tensor) else base
+        self._copy = copy
         self._groups: List[list] = []  # [start, end, u8 tensor, [(tensor, offset)]]
 
     def view(self, off: int, extent: int, dtype: Any, shape: tuple, stride: tuple) -> torch.Tensor:
@@ -236,6 +242,8 @@ class _Storages:
                     lo -= lo % _MAX_ITEMSIZE
             merged = self._groups[j:k]
             u8 = torch.frombuffer(self._base, dtype=torch.uint8, count=hi - lo, offset=lo)
+            if self._copy:  # over a bytearray: not resizable, as DataLoader's shared storages
+                u8 = torch.frombuffer(bytearray(u8.numpy()), dtype=torch.uint8)
             members = [m for g in merged for m in g[3]]
             for m, m_off in members:
                 m.set_(u8.untyped_storage(), (m_off - lo) // m.element_size(), m.shape, m.stride())
@@ -247,12 +255,13 @@ class _Storages:
         return t
 
 
-def read_batch(meta: Any, bases: List[Any]) -> Any:
+def read_batch(meta: Any, bases: List[Any], copy: bool = False) -> Any:
     """Main side: rebuild a batch from ``meta`` whose tensors view ``bases``.
 
-    ``bases[0]`` is the slot's data (a leased Region or a copy of it),
-    ``bases[1]`` the overflow mapping if any. The result keeps the bases
-    alive for as long as any of its tensors or arrays is.
+    ``bases[0]`` is the slot's data (a leased Region), ``bases[1]`` the
+    overflow mapping if any. The result keeps the bases alive for as long as
+    any of its tensors or arrays is; with ``copy``, its tensors and buffers
+    are copies, each in memory of its own, and it refers to no base.
     """
     mv = memoryview(meta)
     head, body = bytes(mv[:1]), mv[1:]
@@ -262,9 +271,9 @@ def read_batch(meta: Any, bases: List[Any]) -> Any:
         descs, deferred, body = pickle.loads(body)
         if descs:
             views = [_bytes_view(b) for b in bases]
-            buffers = [views[b][off : off + n] if n else memoryview(bytearray())
-                       for b, off, n in descs]
-    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred).load()
+            buffers = [(bytearray(views[b][off : off + n]) if copy else views[b][off : off + n])
+                       if n else memoryview(bytearray()) for b, off, n in descs]
+    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred, copy).load()
 
 
 def _bytes_view(base: Any) -> Optional[memoryview]:
