@@ -38,7 +38,7 @@ def make_dataset() -> Dict[str, Any]:
     return {"dataset": Noisy(), "batch_size": 8, "collate_fn": collate}
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # the benchmark starts fresh processes for each run
 def test_bench_runs_and_checks_a_user_dataset(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # One workload, one worker, one round: two runs, about 15 s (process starts).

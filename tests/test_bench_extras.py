@@ -12,7 +12,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:This DataLoader will create .* worker processes in total")
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # DataLoader spawn workers: fresh interpreters
 def test_copy_on_read_measures_every_loader_and_fastload_shares_the_dataset():
     res = copy_on_read.measure_copy_on_read(n=300_000, workers=2, rounds=1)
     assert set(res["median"]) == {"fork", "spawn", "fastload_epoch1", "fastload_epoch2"}

@@ -137,3 +137,23 @@ def test_an_explicit_fork_hands_the_dataset_over_unpickled(tmp_path, persistent:
         del loader, reference
         ds.file.close()
         ds.db.close()
+
+
+def test_a_dataset_that_cannot_be_pickled_is_told_about_fork(tmp_path) -> None:
+    """Under the default start method the dataset is pickled, and a handle
+    fails as with DataLoader's spawn; the error names the attribute and both
+    remedies: open it in the worker, or fork."""
+    from fastload import FastLoader
+
+    path = tmp_path / "letters"
+    path.write_text("abcdefgh")
+    ds = _HoldsHandles(os.fspath(path))
+    try:
+        with pytest.raises(TypeError, match="cannot pickle") as info:
+            iter(FastLoader(ds, batch_size=3, num_workers=2))
+        notes = "\n".join(info.value.__notes__)
+        assert any(f"dataset.{name}" in notes for name in ("file", "lock", "db", "gen")), notes
+        assert "multiprocessing_context='fork'" in notes
+    finally:
+        ds.file.close()
+        ds.db.close()

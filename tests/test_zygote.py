@@ -68,6 +68,24 @@ def test_explicit_spawn_is_real_spawn():
     assert [r["index"] for r in _rows(list(it))] == list(range(4))
 
 
+class Comm(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> str:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+def test_workers_have_dataloader_s_process_name(ctx):
+    """``top`` and ``ps`` show DataLoader's workers as ``pt_data_worker``."""
+    want = [b for b in torch.utils.data.DataLoader(Comm(), batch_size=2, num_workers=NW)]
+    assert want == [["pt_data_worker"] * 2] * 2
+    assert list(FastLoader(Comm(), batch_size=2, num_workers=NW,
+                           multiprocessing_context=ctx)) == want
+
+
 @pytest.mark.parametrize("ctx", [None, "spawn"])
 def test_workers_share_our_session_in_a_process_group_of_their_own(ctx):
     """As DataLoader's workers, they stay in the training process's session

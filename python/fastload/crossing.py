@@ -264,6 +264,11 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
                        "multiprocessing.get_context('spawn').Value(...), or pass "
                        "multiprocessing_context='fork'")
             raise
+    except Exception as e:  # pickling errors come as many types
+        add_note(e, "fastload: or pass multiprocessing_context='fork': the workers are then "
+                    "forked from this process and inherit the dataset as it is, unpickled, "
+                    "as DataLoader's are with its Linux default")
+        raise
     if not state.warned_fork:
         state.warned_fork = True
         log.warning("fastload: the dataset holds a multiprocessing object made in the "

@@ -312,10 +312,12 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 return rec
 
     def _fail(self, msg: str) -> None:
-        """A timeout ends the epoch: stop the workers and raise now and at
-        every later next()."""
+        """A timeout ends the epoch: stop the workers (at once: a worker that
+        kept the loop waiting that long would not see a stop soon, and the
+        error is due now, as DataLoader's) and raise now and at every later
+        next()."""
         self._fatal = msg
-        self._shutdown_workers()
+        self._shutdown_workers(wait=False)
         raise RuntimeError(msg)
 
     def _next_data(self) -> Any:
@@ -427,14 +429,15 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._ledger.orphan_batches()
         state.keep_idle_pool(pool)
 
-    def _shutdown_workers(self) -> None:
-        """Stop the workers for good (an error, or the end of a persistent iterator)."""
+    def _shutdown_workers(self, wait: bool = True) -> None:
+        """Stop the workers for good (an error, or the end of a persistent
+        iterator); ``wait``: see :meth:`WorkerPool.shutdown`."""
         if self._shutdown:
             return
         self._shutdown = True
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(wait)
 
     def __del__(self) -> None:
         if getattr(self, "_owner_pid", None) != os.getpid():

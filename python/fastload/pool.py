@@ -374,10 +374,19 @@ class WorkerPool:
         if fd is not None:
             os.close(fd)
 
-    def shutdown(self) -> None:
-        """Stop every worker (idempotent)."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop every worker (idempotent). ``wait=False``: kill them at once,
+        without the grace period in which they would see the stop between
+        two samples (they are stuck: the loader's ``timeout`` ran out)."""
         self._pinner = None
         self.ledger.forget()
+        if not wait and self._finalizer.alive:
+            for p in self.procs:
+                try:
+                    if p.pid is not None and p.is_alive():
+                        p.kill()
+                except Exception:  # pragma: no cover - never let clean-up raise
+                    pass
         self._finalizer()
 
 

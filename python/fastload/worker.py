@@ -220,13 +220,19 @@ def _isolate(spec: WorkerSpec) -> _MainWatch:
 
 
 def _join_ring(spec: WorkerSpec) -> Any:
-    """DataLoader's worker signal handlers and one torch thread, as its
-    workers have; then the ring, told that this worker has started."""
+    """DataLoader's worker signal handlers, one torch thread and the process
+    name ``top`` and ``ps`` show, as its workers have; then the ring, told
+    that this worker has started."""
     import torch
     from torch.utils.data._utils import signal_handling
 
     signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
+    try:  # what torch.multiprocessing._set_thread_name does, through /proc
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write("pt_data_worker")
+    except OSError:  # pragma: no cover - no /proc
+        pass
     ring = spec.ring.get()
     ring.worker_started(spec.worker_id, os.getpid())
     return ring
