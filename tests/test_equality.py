@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
@@ -554,6 +555,34 @@ def test_overflow_batches_left_early(tmp_path):
     for fd in leaked:  # close them: the leak fixture need not report them again
         os.close(fd)
     assert not leaked, f"overflow segments left open: {leaked}"
+
+
+@pytest.mark.heavy
+def test_a_stuck_sample_left_behind_does_not_hold_up_the_next_epoch(tmp_path):
+    """The loop breaks out of an epoch while a worker is stuck in a sample
+    (20 s, the first time only). DataLoader's next epoch waits up to 5 s for
+    the dropped iterator's workers; fastload's kills them at once (its next
+    session replaces them anyway) and frees their slots. The next epoch is
+    whole and the same."""
+    from support.faults import Misbehave
+
+    def run(cls: type) -> tuple:
+        ds = Misbehave(16, {6: "sleep"}, seconds=20, once=os.fspath(tmp_path / cls.__name__))
+        loader = cls(ds, batch_size=2, num_workers=2, prefetch_factor=4)
+        for k, _b in enumerate(loader):
+            if k == 1:
+                while not (tmp_path / cls.__name__).exists():  # a worker is in the sample
+                    time.sleep(0.01)
+                t0 = time.monotonic()
+                break  # DataLoader shuts its workers down here, fastload at the next iter()
+        epoch = [b.clone() for b in loader]
+        return epoch, time.monotonic() - t0
+
+    got, took = run(FastLoader)
+    want, dl_took = run(DataLoader)
+    assert_same(got, want)
+    assert dl_took > 4.0  # DataLoader waits for its stuck worker, then terminates it
+    assert took < dl_took / 2, (took, dl_took)
 
 
 @pytest.mark.heavy

@@ -29,9 +29,12 @@ same batch.
 
 NOTE [ Shutdown ]
 An iterator that ends normally (or is dropped mid-epoch) gives its pool back
-to the loader, warm; batches still in flight stay in the ledger as orphans
-that the next iterator waits out before its session, so no slot is freed
-under a worker. An iterator that fails (a dead or hung worker, a timeout)
+to the loader, warm; batches still in flight stay in the ledger as orphans.
+The next iterator's session needs those slots: on a zygote pool, whose
+workers the session replaces anyway, it kills the workers and frees the
+slots at once (DataLoader shuts a dropped iterator's workers down too);
+otherwise it waits the orphans out. Either way no slot is freed under a
+live worker. An iterator that fails (a dead or hung worker, a timeout)
 stops its workers for good and raises the same error at every later
 ``next()``. Persistent workers end with the iterator. Either way, slots
 still leased by the loop stay mapped until their last view dies.
@@ -151,7 +154,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                                             self._book, self._reader))
 
     def _start_session(self, state: LoaderState, saved: Optional[dict]) -> None:
-        """Wait out what a previous iterator left in flight, then start this
+        """Drop or wait out what a previous iterator left in flight, then start this
         iterator's session on the workers (put back to ``saved``'s states)."""
         assert self._pool is not None
         workers = None
@@ -160,6 +163,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
             self._book.resumed([w and w[0] for w in workers],
                                [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
+        if not self._persistent_workers:
+            self._pool.drop_orphans()  # a zygote pool's new session replaces its workers
         self._ledger.drain(self._wait_one)
         self._trim_slots(state)
         self._ledger.make_free(self._num_workers)

@@ -12,7 +12,9 @@ holds one :class:`Record` for it until it goes back:
   ledger as soon as the worker commits it.
 * ``ORPHAN``: a batch an earlier iterator of the same pool left in flight
   (the loop broke out of the epoch). Nobody wants it, but its worker may be
-  writing it, so the slot is freed only once the result is in.
+  writing it, so the slot is freed only once the result is in, or once its
+  worker is dead (a zygote pool's next session kills such workers rather
+  than wait for them: :meth:`SlotLedger.abandon_worker`).
 
 So every slot is free, leased to the loop, held for a device copy (pinned
 memory), or in the ledger: :meth:`SlotLedger.accounted_for` checks exactly
@@ -236,6 +238,17 @@ class SlotLedger:
             else:
                 self._ring.push_free_slot(rec.slot)
         return redo
+
+    def abandon_worker(self, worker: int) -> None:
+        """Free the slots of every record of a dead worker that nobody will
+        read (an earlier iterator's orphans), committed or not."""
+        for rec in sorted(self.of_worker(worker), key=lambda r: r.seq):
+            if rec.done or self._ring.is_ready(rec.slot, rec.seq):
+                self.discard(rec)
+                continue
+            del self._records[rec.seq]
+            if self._ring.reclaim(rec.slot):  # unfinished: back to the free list
+                self._ring.push_free_slot(rec.slot)
 
     def reassign(self, rec: Record, worker: int) -> None:
         """Queue a reclaimed batch again, in its own slot, under a new stamp."""

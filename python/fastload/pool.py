@@ -238,6 +238,25 @@ class WorkerPool:
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
         return old
 
+    def drop_orphans(self) -> None:
+        """Before a new session of a zygote pool, whose workers it replaces
+        anyway: if an earlier iterator left batches in flight (the loop broke
+        out of an epoch), kill the workers and free those batches' slots
+        rather than wait for them to be made. DataLoader shuts a dropped
+        iterator's workers down too; waiting would cost the next epoch the
+        queued batches, or all of a stuck sample."""
+        if self._launcher != "zygote" or not self.ledger.busy():
+            return
+        for w, p in enumerate(self.procs):
+            self.ring.unwatch_worker(w)  # killed on purpose
+            if p.exitcode is None:
+                p.kill()
+        for w, p in enumerate(self.procs):
+            p.join(5.0)
+            self._collect_overflow(w)
+            self.ring.reset_worker(w)
+            self.ledger.abandon_worker(w)
+
     def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
         """A new session of a zygote pool: retire the workers, have the
         zygote preload ``parcel`` and fork fresh workers from it."""
