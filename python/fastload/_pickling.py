@@ -43,8 +43,7 @@ class Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled as the session is (cloudpickle, files refused)."""
+def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
     Pickler(buf, protocol=_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -78,7 +77,7 @@ def _children(obj: Any) -> Iterator[Tuple[str, Any]]:
 def _culprit(obj: Any, path: str, depth: int = _SEARCH_DEPTH) -> Optional[str]:
     """The deepest path under ``obj`` that cannot be pickled, or None."""
     try:
-        dumps(obj)
+        _dumps(obj)
         return None
     except Exception:  # noqa: BLE001 - pickling errors come as many types
         pass
@@ -102,7 +101,7 @@ def dumps_by_value(obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> 
     cannot be pickled.
     """
     try:
-        return dumps(obj)
+        return _dumps(obj)
     except Exception as e:  # pickling errors come as many types
         explain(e, obj, what, names)
         raise

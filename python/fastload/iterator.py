@@ -29,12 +29,10 @@ same batch.
 
 NOTE [ Shutdown ]
 An iterator that ends normally (or is dropped mid-epoch) gives its pool back
-to the loader, warm; batches still in flight stay in the ledger as orphans.
-The next iterator's session needs those slots: on a zygote pool, whose
-workers the session replaces anyway, it kills the workers and frees the
-slots at once (DataLoader shuts a dropped iterator's workers down too);
-otherwise it waits the orphans out. Either way no slot is freed under a
-live worker. An iterator that fails (a dead or hung worker, a timeout)
+to the loader, warm; batches still in flight stay in the ledger as orphans,
+which the next iterator drops or waits out before its session
+(:meth:`WorkerPool.drop_orphans`). An iterator that fails (a dead or hung
+worker, a timeout)
 stops its workers for good and raises the same error at every later
 ``next()``. Persistent workers end with the iterator. Either way, slots
 still leased by the loop stay mapped until their last view dies.
@@ -114,16 +112,18 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             # Overlapping the copy needs pinned memory: pin the ring too.
             self._pin_memory = True
             self._pin_memory_device = "cuda"
-        self._open_pool(loader, state, device_runtime)
+        blob = self._open_pool(loader, state, device_runtime)
         try:
-            self._start_session(state, saved)
+            self._start_session(state, saved, blob)
         except BaseException:
             self._shutdown_workers()
             raise
         self._reset(loader, first_iter=True)
 
-    def _open_pool(self, loader: DataLoader, state: LoaderState, device_runtime: Any) -> None:
-        """Pack the session, take a pool (warm or new) and set up its parts."""
+    def _open_pool(self, loader: DataLoader, state: LoaderState,
+                   device_runtime: Any) -> Optional[crossing.Parcel]:
+        """Pack the session, take a pool (warm or new) and set up its parts;
+        returns the packed session for :meth:`_start_session`."""
         opts = state.options
         blob, ctx, inherited = crossing.pack_session(
             (ProcessState.capture(), self._dataset, self._collate_fn, loader.worker_init_fn,
@@ -140,22 +140,20 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
                                   opts.held_batches, pinner)
         restartable = self._dataset_kind == _DatasetKind.Map
-        # The pickled session is as big as the dataset. The iterator holds it
-        # until its workers have it (_start_session); after that only a
-        # replacement worker could need it, so it is kept only where a
-        # restart can happen, and otherwise this process does not carry a
-        # second copy of the dataset for the iterator's life.
-        self._blob = blob
+        # The pickled session is as big as the dataset: kept for the iterator's
+        # life only where a replacement worker may need it.
         kept = blob if restartable and opts.max_worker_restarts > 0 else None
         self._supervisor = Supervisor(
             pool, self._ledger, hang_timeout=opts.hang_timeout,
             max_restarts=opts.max_worker_restarts, restartable=restartable,
             start_session=functools.partial(restart_session, pool, kept, self._base_seed,
                                             self._book, self._reader))
+        return blob
 
-    def _start_session(self, state: LoaderState, saved: Optional[dict]) -> None:
-        """Drop or wait out what a previous iterator left in flight, then start this
-        iterator's session on the workers (put back to ``saved``'s states)."""
+    def _start_session(self, state: LoaderState, saved: Optional[dict],
+                       blob: Optional[crossing.Parcel]) -> None:
+        """Drop or wait out what a previous iterator left in flight, then start
+        session ``blob`` on the workers, put back to ``saved``'s states."""
         assert self._pool is not None
         workers = None
         if saved is not None:
@@ -163,12 +161,10 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
             self._book.resumed([w and w[0] for w in workers],
                                [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
-        if not self._persistent_workers:
-            self._pool.drop_orphans()  # a zygote pool's new session replaces its workers
+        self._pool.drop_orphans()  # a zygote pool's new session replaces its workers
         self._ledger.drain(self._wait_one)
         self._trim_slots(state)
         self._ledger.make_free(self._num_workers)
-        blob, self._blob = self._blob, None
         self._pool.start_session(blob, self._base_seed, resume=workers,
                                  preload_timeout=state.options.hang_timeout)
 
@@ -317,10 +313,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 return rec
 
     def _fail(self, msg: str) -> None:
-        """A timeout ends the epoch: stop the workers (at once: a worker that
-        kept the loop waiting that long would not see a stop soon, and the
-        error is due now, as DataLoader's) and raise now and at every later
-        next()."""
+        """A timeout ends the epoch: kill the workers (one that kept the loop
+        waiting would not see a stop soon) and raise now and at every later next()."""
         self._fatal = msg
         self._shutdown_workers(wait=False)
         raise RuntimeError(msg)

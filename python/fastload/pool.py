@@ -247,15 +247,19 @@ class WorkerPool:
         queued batches, or all of a stuck sample."""
         if self._launcher != "zygote" or not self.ledger.busy():
             return
-        for w, p in enumerate(self.procs):
-            self.ring.unwatch_worker(w)  # killed on purpose
-            if p.exitcode is None:
-                p.kill()
+        self._kill_workers()
         for w, p in enumerate(self.procs):
             p.join(5.0)
             self._collect_overflow(w)
             self.ring.reset_worker(w)
             self.ledger.abandon_worker(w)
+
+    def _kill_workers(self) -> None:
+        """SIGKILL every live worker, its death unwatched (it is on purpose)."""
+        for w, p in enumerate(self.procs):
+            self.ring.unwatch_worker(w)
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
 
     def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
         """A new session of a zygote pool: retire the workers, have the
@@ -400,12 +404,10 @@ class WorkerPool:
         self._pinner = None
         self.ledger.forget()
         if not wait and self._finalizer.alive:
-            for p in self.procs:
-                try:
-                    if p.pid is not None and p.is_alive():
-                        p.kill()
-                except Exception:  # pragma: no cover - never let clean-up raise
-                    pass
+            try:
+                self._kill_workers()
+            except Exception:  # pragma: no cover - never let clean-up raise
+                pass
         self._finalizer()
 
 
