@@ -4,7 +4,9 @@ naming the worker, its pid, the batch and sample indices, with its stack."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -62,3 +64,24 @@ def test_none_turns_the_watchdog_off() -> None:
 def test_bad_hang_timeout_is_rejected(bad: object) -> None:
     with pytest.raises(ValueError, match="hang_timeout"):
         FastLoader(Misbehave(4, {1: "sleep"}, seconds=0), num_workers=1, hang_timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_worker_stopped_before_it_joins_the_ring_is_a_hang(restarts: int) -> None:
+    # A spawned worker takes a second or more to import torch: stopped right
+    # after iter(), it has not joined the ring, so it holds no task the ring
+    # knows of. It still owes its session and batches.
+    loader = FastLoader(Misbehave(6, {}, seconds=0), batch_size=2, num_workers=1,
+                        hang_timeout=1.5, max_worker_restarts=restarts,
+                        multiprocessing_context="spawn")
+    it = iter(loader)
+    pid = debug_view(it).worker_pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    assert debug_view(it).ring.worker_pid(0) == 0, "the worker joined before it was stopped"
+    if restarts:
+        assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5]]
+        assert wait_pids_gone([pid]) == []
+        return
+    with pytest.raises(WorkerHangError, match=r"made no progress for \d+ s on its start-up"):
+        next(it)
+    assert wait_pids_gone([pid]) == []

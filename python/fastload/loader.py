@@ -80,8 +80,9 @@ class FastLoader(DataLoader[T_co]):
             ``'spawn'``, are kept and sent the dataset again), seeded as
             fresh DataLoader workers are. False builds everything anew every
             epoch, as DataLoader does.
-        hang_timeout: seconds a worker may hold one batch without progress
-            before :class:`fastload.WorkerHangError` (with the worker's Python
+        hang_timeout: seconds a worker may hold one batch (or take to start
+            and join the ring) without progress before
+            :class:`fastload.WorkerHangError` (with the worker's Python
             stack) ends the epoch; a warning is logged at half of it.
             ``None`` turns the watchdog off (default 300).
         max_worker_restarts: how many times per iterator a worker that died

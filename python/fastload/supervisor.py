@@ -20,11 +20,14 @@ the iterator checks every 0.1 s instead. :meth:`Supervisor.check` looks for
   process the scheduler ran first;
 * **hung workers**: each worker bumps a progress counter in the ring at
   every pop and commit. A worker that should be working (it holds a batch,
-  or has one queued: a worker stopped between two tasks holds up the epoch
-  as surely as one stuck inside one) and whose counter has not moved for
-  ``hang_timeout`` seconds is asked for its Python stack, killed, and then
-  reported (:class:`fastload.WorkerHangError`) or restarted. A warning is
-  logged at half the timeout.
+  or has one queued: a worker stopped between two tasks, or before it has
+  joined the ring, holds up the epoch as surely as one stuck inside one)
+  and whose counter has not moved for ``hang_timeout`` seconds is asked for
+  its Python stack, killed, and then reported
+  (:class:`fastload.WorkerHangError`) or restarted. A warning is logged at
+  half the timeout. So a worker's start-up counts against ``hang_timeout``
+  too: a fresh interpreter (``multiprocessing_context="spawn"``) has that
+  long to import torch and join.
 
 A restart keeps what the dead worker committed, takes back the slots of
 its unfinished batches and queues them again, in batch order, for a new
@@ -157,9 +160,11 @@ class Supervisor:
     # ---- hangs ---------------------------------------------------------------
     def _in_hand(self, w: int) -> Optional[int]:
         """The stamp of the task worker ``w`` should be working on, if any:
-        the one it popped; else, once it has attached, its oldest queued one."""
+        the one it popped, else its oldest queued one. A worker that has not
+        attached to the ring yet counts too: one stopped or stuck while it
+        starts holds up its session as surely as one stuck inside it."""
         seq = self._ring.worker_current_seq(w)
-        if seq is not None or self._ring.worker_pid(w) == 0:
+        if seq is not None:
             return seq
         return self._ledger.oldest_queued(w)
 
@@ -179,6 +184,8 @@ class Supervisor:
                 continue
             stalled = now - last[1]
             what = describe_batch(self._ledger.get(seq))
+            if self._ring.worker_pid(w) == 0:
+                what = "its start-up (it has not joined the ring yet)"
             pid = self._pool.procs[w].pid
             if stalled >= self.hang_timeout:
                 self._hung(w, pid, what, stalled)
@@ -204,6 +211,7 @@ class Supervisor:
     def restart(self, w: int, cause: str) -> None:
         """Replace worker ``w`` and have it make its unfinished batches again."""
         self.restarts_left -= 1
+        self._stall.pop(w, None)  # the new process's clock starts when it does
         log.warning("fastload: restarting worker %d (%s); %d restart(s) left", w, cause,
                     self.restarts_left)
         self._pool.replace_worker(w)  # the old process is gone when this returns
