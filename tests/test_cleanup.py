@@ -62,20 +62,17 @@ def _assert_no_workers(pids, timeout: float = 5.0) -> None:
 
 
 def _after_iterator_end(loader, pids, reuse: bool) -> None:
-    """The workers once an iterator is gone: stopped, or warm for the loader's next epoch."""
+    """Once an iterator is gone its workers are too, as DataLoader's are; a
+    reused pool keeps its ring and zygote warm for the loader's next epoch."""
+    _assert_no_workers(pids)
     if not reuse:
-        _assert_no_workers(pids)
         return
-    assert all(pid_alive(p) for p in pids), "reused workers died with their iterator"
     ring = debug_view(loader).idle_pool.ring
     it = iter(loader)
     view = debug_view(it)
-    assert view.ring == ring  # the same warm pool ...
-    # ... whose new session has fresh workers forked from its zygote (the
-    # old ones are gone, as DataLoader's are at an epoch's end) ...
+    assert view.ring == ring  # the same warm pool, with fresh workers forked from its zygote
     assert set(view.worker_pids).isdisjoint(pids)
-    _assert_no_workers(pids)
-    assert [b.tolist() for b in it] == EXPECTED  # ... making a whole, correct epoch
+    assert [b.tolist() for b in it] == EXPECTED  # making a whole, correct epoch
     del it, ring
 
 
@@ -219,13 +216,11 @@ def test_held_batches_outlive_the_iterator(reuse):
     want = [torch.arange(2 * k, 2 * k + 2).unsqueeze(1).expand(2, width) for k in range(8)]
     del it
     gc.collect()
+    _assert_no_workers(pids)
     if reuse:
         # A whole new epoch in the same ring, while the loop still holds the old batches.
-        assert all(pid_alive(p) for p in pids)
         again = [b.clone() for b in loader]
         assert len(again) == 8 and all(torch.equal(a, w) for a, w in zip(again, want))
-    else:
-        _assert_no_workers(pids)
     del loader
     gc.collect()
     _assert_no_workers(pids)

@@ -162,8 +162,9 @@ class Fault:
     # at later batches if need be); "anywhere" as it is, maybe between tasks.
     stop_at: str = "in_hand"
     settle: float = 0.0  # seconds the loop waits just before injecting (workers go idle)
-    # kill at batch -1 of a reused pool: SIGSTOP the victim before iter(), so
-    # that it dies without having read the session iter() sends it.
+    # kill at batch -1 of a pool that keeps its workers (explicit spawn): SIGSTOP
+    # the victim before iter(), so that it dies without having read the
+    # session iter() sends it.
     before_session: bool = False
 
 
@@ -178,6 +179,7 @@ class Scenario:
     gen_seed: int
     pace: float  # seconds the training loop spends per batch
     faults: List[Optional[Fault]]  # one entry per epoch
+    ctx: Optional[str] = None  # multiprocessing_context
 
     @property
     def epochs(self) -> int:
@@ -841,7 +843,7 @@ def _run_scenario(sc: Scenario, ctl: Path, failures: Dict[str, List[str]], soft:
         Pattern(sc.n, ctl=str(ctl), delay=DELAY_S, slow_s=slow_s), batch_size=sc.batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(sc.gen_seed), num_workers=NW,
         persistent_workers=sc.persistent, reuse_workers=sc.reuse_workers,
-        hang_timeout=HT, max_worker_restarts=sc.restarts,
+        hang_timeout=HT, max_worker_restarts=sc.restarts, multiprocessing_context=sc.ctx,
     )
     inj = _Injector(sc, ctl)
     logs = _LogRecords()
@@ -1064,15 +1066,17 @@ def test_stop_of_an_idle_worker(tmp_path: Path) -> None:
 @pytest.mark.heavy
 def test_kill_before_the_worker_took_its_session(tmp_path: Path) -> None:
     """Restart mode: a worker that dies before it read the session the pool
-    sent it at iter() (the dataset's fd: here a reused pool's worker is
-    stopped before iter() and SIGKILLed after) is replaced like any other;
-    nothing of its death reaches the training loop."""
+    sent it at iter() (the dataset's fd) is replaced like any other; nothing
+    of its death reaches the training loop. Only a pool that keeps its
+    processes between epochs sends a session to a live worker (under an
+    explicit 'spawn'; a zygote pool's workers end with the epoch): one of its
+    workers is stopped before iter() and SIGKILLed after."""
     rng = random.Random(f"{SEED}-early-kill")
     sc = Scenario(tag="test_kill_before_the_worker_took_its_session", restarts=1, n=40,
                   batch_size=4, persistent=False, reuse_workers=True,
                   gen_seed=rng.randrange(2**31), pace=0.0,
                   faults=[None, Fault("kill", batch=-1, victim=rng.randrange(NW),
-                                      before_session=True), None])
+                                      before_session=True), None], ctx="spawn")
     run_scenario(sc, tmp_path / "ctl")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import time
 import tracemalloc
 
 import numpy as np
@@ -149,6 +150,31 @@ def test_the_training_process_lets_go_of_the_pickled_dataset(how: str) -> None:
         assert len(list(it)) == 7
     finally:
         del it, loader
+        gc.collect()
+
+
+def test_between_epochs_the_zygote_holds_no_copy_of_the_dataset() -> None:
+    """The zygote unpickles each epoch's dataset once for the workers it
+    forks. When the epoch ends, so do they, and it lets go of its copy: an
+    idle loader (the validation one, all through a training epoch) holds
+    none beside the training process's, as an idle DataLoader holds none."""
+    loader = FastLoader(BigArray(), batch_size=2, num_workers=2)
+    try:
+        for _epoch in range(2):
+            it = iter(loader)
+            assert next(it).tolist() == [0, 0]
+            zygote = psutil.Process(debug_view(it).pool.zygote_pid)
+            during = zygote.memory_info().rss
+            assert len(list(it)) == 7
+            del it
+            deadline = time.monotonic() + 10
+            while zygote.memory_info().rss > during - BLOB * 3 // 4:
+                assert time.monotonic() < deadline, (
+                    f"the zygote still holds {during / MB:.0f} MB of RSS, "
+                    f"{zygote.memory_info().rss / MB:.0f} MB after the epoch")
+                time.sleep(0.05)
+    finally:
+        del loader
         gc.collect()
 
 

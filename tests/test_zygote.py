@@ -18,7 +18,7 @@ from fastload.debug import debug_view
 from support import NW
 from support.datasets import ACCEL_VARS, EnvProbe, Plain
 from support.faults import Misbehave, UnpicklesWith
-from support.processes import pid_alive, wait_pids_gone
+from support.processes import children, pid_alive, wait_pids_gone
 
 
 def _rows(batches):
@@ -219,14 +219,38 @@ def test_workers_inherit_the_session_the_zygote_preloaded(persistent):
         assert wait_pids_gone(pids[0], timeout=5) == []
 
 
+@pytest.mark.parametrize("how", ["exhausted", "dropped"])
+@pytest.mark.parametrize("cls", [DataLoader, FastLoader])
+def test_workers_end_with_their_epoch_as_dataloader_s_do(cls, how):
+    # persistent_workers=False: once the epoch is over (the loop ran it out,
+    # or broke out and dropped the iterator) its workers are gone; an idle
+    # loader (say, the validation one during training) holds none. fastload
+    # keeps the zygote the next epoch's workers fork from.
+    loader = cls(Plain(40), batch_size=2, num_workers=NW)
+    for _epoch in range(2):
+        before = {c.pid for c in children()}
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1]
+        workers = {c.pid for c in children()} - before
+        assert len(workers) == NW
+        if how == "exhausted":
+            assert [b.tolist() for b in it][-1] == [38, 39]
+        else:
+            del it
+        assert wait_pids_gone(workers, timeout=5) == []
+    if cls is FastLoader:
+        assert all(pid_alive(z) for z in debug_view(loader).idle_pool.zygote_pids)
+
+
 def test_a_replacement_worker_inherits_the_session_too(tmp_path):
     ds = Misbehave(20, {7: "kill"}, once=os.fspath(tmp_path / "failed"))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, max_worker_restarts=1)
     it = iter(loader)
-    got = [b.clone() for b in it]
+    got = [next(it).clone() for _ in range(6)]  # index 7 is in batch 3
     assert (tmp_path / "failed").exists()
-    pool = debug_view(loader).idle_pool
+    pool = debug_view(it).pool
     assert pool.preloaded and pool.inherited == (True,) * NW
+    got += [b.clone() for b in it]
     want = list(DataLoader(Plain(20), batch_size=2))
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -29,12 +29,12 @@ same batch.
 
 NOTE [ Shutdown ]
 An iterator that ends normally (or is dropped mid-epoch) gives its pool back
-to the loader, warm; batches still in flight stay in the ledger as orphans,
-which the next iterator drops or waits out before its session
-(:meth:`WorkerPool.drop_orphans`). An iterator that fails (a dead or hung
-worker, a timeout)
-stops its workers for good and raises the same error at every later
-``next()``. Persistent workers end with the iterator. Either way, slots
+to the loader, warm (:meth:`LoaderState.keep_idle_pool`). A zygote pool's
+workers are retired then, and batches still in flight die with them
+(:meth:`WorkerPool.retire`); a spawned pool's workers stay, and its orphans
+stay in the ledger until the next iterator waits them out before its
+session. An iterator that fails (a dead or hung worker, a timeout) stops its
+workers for good and raises the same error at every later ``next()``. Persistent workers end with the iterator. Either way, slots
 still leased by the loop stay mapped until their last view dies.
 """
 
@@ -152,8 +152,9 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
     def _start_session(self, state: LoaderState, saved: Optional[dict],
                        blob: Optional[crossing.Parcel]) -> None:
-        """Drop or wait out what a previous iterator left in flight, then start
-        session ``blob`` on the workers, put back to ``saved``'s states."""
+        """Wait out what a previous iterator left in flight (on a spawned
+        pool: a zygote pool's went with its workers), then start session
+        ``blob`` on the workers, put back to ``saved``'s states."""
         assert self._pool is not None
         workers = None
         if saved is not None:
@@ -161,7 +162,6 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
             self._book.resumed([w and w[0] for w in workers],
                                [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
-        self._pool.drop_orphans()  # a zygote pool's new session replaces its workers
         self._ledger.drain(self._wait_one)
         self._trim_slots(state)
         self._ledger.make_free(self._num_workers)

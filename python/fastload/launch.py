@@ -56,8 +56,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from . import crossing
 from .child import Child, note_pipe
 from .crossing import memfd_of
-from .zygote import (DECLINED, EXITED, LOST, MAX_FDS, PRELOAD, PRELOAD_REQ, PRELOADED, STARTED,
-                     TAINTED, UNPICKLING, WHY_MAX)
+from .zygote import (DECLINED, EXITED, FORGET_REQ, LOST, MAX_FDS, PRELOAD, PRELOAD_REQ,
+                     PRELOADED, STARTED, TAINTED, UNPICKLING, WHY_MAX)
 
 __all__ = ["Child", "Zygote", "spawn", "memfd_of", "ZYGOTE_PRELOAD",
            "PRELOADED", "DECLINED", "TAINTED", "LOST"]
@@ -266,6 +266,15 @@ class Zygote:
         finally:
             if fds[0] >= 0:
                 os.close(fds[0])
+
+    def forget(self) -> None:
+        """Have the zygote drop the session it holds (it does not answer)."""
+        with self._lock:
+            if self.alive and os.getpid() == self._owner_pid:
+                try:
+                    self._ctl.send(FORGET_REQ)
+                except OSError:
+                    pass  # gone: whoever forks from it next finds out
 
     def _recv(self, timeout: Optional[float]) -> Optional[bytes]:
         """One message (exit reports are filed on the way); None when the

@@ -13,8 +13,8 @@ holds one :class:`Record` for it until it goes back:
 * ``ORPHAN``: a batch an earlier iterator of the same pool left in flight
   (the loop broke out of the epoch). Nobody wants it, but its worker may be
   writing it, so the slot is freed only once the result is in, or once its
-  worker is dead (a zygote pool's next session kills such workers rather
-  than wait for them: :meth:`SlotLedger.abandon_worker`).
+  worker is dead (a zygote pool kills such workers as the iterator hands
+  it back, rather than wait for them: :meth:`SlotLedger.abandon_worker`).
 
 So every slot is free, leased to the loop, held for a device copy (pinned
 memory), or in the ledger: :meth:`SlotLedger.accounted_for` checks exactly

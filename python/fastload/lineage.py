@@ -96,6 +96,13 @@ class Lineage:
         number = self._forked_with[worker]
         return number is not None and number == self.preloaded
 
+    def forget(self) -> None:
+        """The pool's workers are retired: the zygote holding the session
+        lets go of it (no worker will be forked with it again)."""
+        holder, self.preloaded, self._holder = self._holder, None, None
+        if holder is not None:
+            holder.forget()
+
     def preload(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
         """A new session: have the current zygote unpickle ``parcel`` (within
         ``timeout`` s) so that the workers forked next inherit it. If it

@@ -104,6 +104,9 @@ class WorkerPool:
             self.lineage.zygotes if self.lineage is not None else [], os.getpid())
         self._ctx = ctx
         self._hide = hide_accelerators
+        # A zygote pool's workers once its iterator handed it back (retire):
+        # exited or exiting, on purpose; the next session forks fresh ones.
+        self._retired: List[multiprocessing.process.BaseProcess] = []
         self._handle = RingHandle(self.ring)
         if self._launcher != "zygote":  # zygote workers start with each session
             try:
@@ -238,14 +241,13 @@ class WorkerPool:
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
         return old
 
-    def drop_orphans(self) -> None:
-        """Before a new session of a zygote pool, whose workers it replaces
-        anyway: if an earlier iterator left batches in flight (the loop broke
-        out of an epoch), kill the workers and free those batches' slots
-        rather than wait for them to be made. DataLoader shuts a dropped
-        iterator's workers down too; waiting would cost the next epoch the
-        queued batches, or all of a stuck sample."""
-        if self._launcher != "zygote" or not self.ledger.busy():
+    def _drop_orphans(self) -> None:
+        """If the last iterator left batches in flight (the loop broke out of
+        an epoch), kill the workers and free those batches' slots rather than
+        wait for them to be made. DataLoader shuts a dropped iterator's
+        workers down too; waiting would cost the next epoch the queued
+        batches, or all of a stuck sample."""
+        if not self.ledger.busy():
             return
         self._kill_workers()
         for w, p in enumerate(self.procs):
@@ -261,10 +263,28 @@ class WorkerPool:
             if p.pid is not None and p.exitcode is None:
                 p.kill()
 
+    def retire(self) -> None:
+        """An iterator handed this pool back: if its workers come from a
+        zygote, they are done, as DataLoader's are at the end of an epoch,
+        and go now rather than at the next ``iter()``, which forks fresh ones
+        anyway; idle, they would hold memory for nothing (think of a
+        validation loader, idle through every training epoch). Batches a
+        dropped iterator left in flight go with them (:meth:`_drop_orphans`).
+        Spawned and forked workers serve every session and stay. The
+        zygote lets go of the session it unpickled for them: the next session
+        sends the dataset anew, so between epochs the zygote holds no copy."""
+        if self._launcher != "zygote" or self._retired:
+            return
+        self._drop_orphans()
+        self._retired = self._retire_workers()
+        assert self.lineage is not None
+        self.lineage.forget()
+
     def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
-        """A new session of a zygote pool: retire the workers, have the
-        zygote preload ``parcel`` and fork fresh workers from it."""
-        old = self._retire_workers()
+        """A new session of a zygote pool: retire the workers (if the last
+        iterator has not), have the zygote preload ``parcel`` and fork fresh
+        workers from it."""
+        old, self._retired = self._retired or self._retire_workers(), []
         assert self.lineage is not None
         self.lineage.preload(parcel, timeout)
         # The retired workers are gone before new ones attach (one queue each).
@@ -367,6 +387,8 @@ class WorkerPool:
         exit codes arrive a moment after the worker is gone."""
         forked = self._launcher is None and self._ctx.get_start_method() == "fork"
         out: List[Tuple[int, int, Optional[int]]] = []
+        if self._retired:
+            return out  # they exit on purpose
         for i, p in enumerate(self.procs):
             code = p.exitcode
             if code is not None or (forked and exited_unseen(p)):

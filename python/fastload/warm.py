@@ -194,6 +194,7 @@ class LoaderState:
         """An iterator is done with ``pool``: keep it warm if it may be reused."""
         if (self.options.reuse_workers and self.idle_pool is None and pool.alive
                 and pool.reusable and pool.ledger.accounted_for()):
+            pool.retire()
             self.idle_pool = pool
         else:
             pool.shutdown()

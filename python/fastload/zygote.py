@@ -20,6 +20,9 @@ are defined here:
   ``(b"p", token, 0)`` as it starts unpickling (the main side's time limit
   starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
   why, as text of at most :data:`WHY_MAX` bytes.
+* **Forget** (main → zygote): :data:`FORGET_REQ`. The pool's workers are
+  retired: the zygote drops the session it holds (the next session sends
+  one anew). No answer.
 * **Exit report** (zygote → main, at any time): :data:`EXITED` ``(b"X",
   pid, exit code)`` when a worker it forked has exited and been reaped.
 * The main process closing the socket (it stopped the zygote, or died):
@@ -58,6 +61,7 @@ MAX_FDS = 250  # SCM_RIGHTS carries at most 253 fds per message
 PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
 PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
 UNPICKLING = b"p"  # PRELOAD's shape: the zygote has begun unpickling session token
+FORGET_REQ = b"F"  # drop the session held
 WHY_MAX = 1000
 
 # Outcomes of a preload (fastload.launch.Zygote.preload).
@@ -118,6 +122,13 @@ def _tainted_by(threads_before: int) -> str:
     return ""
 
 
+def _forget() -> None:
+    """In the zygote: drop the session held, its memory back to the system."""
+    global _preloaded
+    _preloaded = None  # the last session's objects go, but for reference cycles:
+    gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
+
+
 def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) -> Tuple[int, str]:
     """In the zygote: drop the session held, unpickle the one sent (``fds``:
     its blob's memfd, then the fds it refers to; all ours to close) and hold
@@ -125,8 +136,7 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
     ``starting`` is called as unpickling starts (the caller's time limit
     starts then)."""
     global _preloaded
-    _preloaded = None  # the last session's objects go, but for reference cycles:
-    gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
+    _forget()
     gc.freeze()  # what stays (modules the last session imported) stays for good
     shared = fds[1:]
     try:
@@ -183,6 +193,8 @@ def serve(header: Dict[str, Any]) -> None:
                 return
             if msg[:1] == PRELOAD_REQ:
                 _answer_preload(ctl, msg, fds)
+            elif msg == FORGET_REQ:
+                _forget()
             else:
                 _fork_worker(ctl, msg, fds, children)
 
