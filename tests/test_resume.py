@@ -159,7 +159,9 @@ def _set_global_generators(states: tuple) -> None:
     np.random.set_state(states[2])
 
 
-@pytest.mark.parametrize("nw", [0, 1, 3])
+# nw=1, and the iterable case without persistent workers, are also in
+# test_resume_matrix: the slow group.
+@pytest.mark.parametrize("nw", [0, pytest.param(1, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.heavy
 def test_map_style_mid_epoch(nw: int, persistent: bool) -> None:
@@ -167,13 +169,14 @@ def test_map_style_mid_epoch(nw: int, persistent: bool) -> None:
 
 
 @pytest.mark.parametrize("nw", [0, 3])
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.heavy
 def test_iterable_mid_epoch(nw: int, persistent: bool) -> None:
     _check_resume(lambda: _make(Stream(40), nw, persistent_workers=persistent), 0, 6)
 
 
-@pytest.mark.parametrize("where", ["first", "last", "after-stop"])
+@pytest.mark.parametrize("where", [pytest.param("first", marks=pytest.mark.slow),
+                                   pytest.param("last", marks=pytest.mark.slow), "after-stop"])
 @pytest.mark.heavy
 def test_resume_points(where: str) -> None:
     make = lambda: _make(Augmented(20), 2, prefetch_factor=3)  # noqa: E731
@@ -212,7 +215,7 @@ def test_stateful_iterable_dataset_is_loaded_not_fast_forwarded() -> None:
     assert [c[4] for c in captures] == [{"pos": 12}, {"pos": 13}]  # the replicas' own states
 
 
-@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("nw", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.heavy
 def test_resumed_epoch_does_not_depend_on_the_global_generator(nw: int) -> None:
     """A resumed epoch's values come from the saved state, whatever the

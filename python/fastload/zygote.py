@@ -190,6 +190,7 @@ def serve(header: Dict[str, Any]) -> None:
                 msg, fds = b"", []
             if not msg:  # the training process stopped us, or died
                 _end_children(children)
+                ctl.close()
                 return
             if msg[:1] == PRELOAD_REQ:
                 _answer_preload(ctl, msg, fds)
