@@ -64,6 +64,17 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
+def cpu_ticks(pid: int) -> int:
+    """The CPU time ``pid`` has used (user + system, in clock ticks); -1
+    when it cannot be read (the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # stat's fields 14 and 15
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def dump_stack(pid: int, stack_fd: int, wait_s: float = 0.5) -> str:
     """Worker ``pid``'s Python stack: it is asked to write it into
     ``stack_fd`` (its own duplicate of that memfd), which is read back

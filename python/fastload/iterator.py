@@ -34,8 +34,9 @@ workers are retired then, and batches still in flight die with them
 (:meth:`WorkerPool.retire`); a spawned pool's workers stay, and its orphans
 stay in the ledger until the next iterator waits them out before its
 session. An iterator that fails (a dead or hung worker, a timeout) stops its
-workers for good and raises the same error at every later ``next()``. Persistent workers end with the iterator. Either way, slots
-still leased by the loop stay mapped until their last view dies.
+workers for good and raises the same error at every later ``next()``.
+Persistent workers end with the iterator. Either way, slots still leased by
+the loop stay mapped until their last view dies.
 """
 
 from __future__ import annotations

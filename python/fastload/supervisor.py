@@ -25,9 +25,10 @@ the iterator checks every 0.1 s instead. :meth:`Supervisor.check` looks for
   and whose counter has not moved for ``hang_timeout`` seconds is asked for
   its Python stack, killed, and then reported
   (:class:`fastload.WorkerHangError`) or restarted. A warning is logged at
-  half the timeout. So a worker's start-up counts against ``hang_timeout``
-  too: a fresh interpreter (``multiprocessing_context="spawn"``) has that
-  long to import torch and join.
+  half the timeout. Before a worker joins the ring, its progress is the CPU
+  time it uses: a fresh interpreter (``multiprocessing_context="spawn"``)
+  importing torch for seconds is busy, not late; one stopped, or blocked
+  for ``hang_timeout`` (a lock, a file system that does not answer), is hung.
 
 A restart keeps what the dead worker committed, takes back the slots of
 its unfinished batches and queues them again, in batch order, for a new
@@ -50,7 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from . import resume
 from .errors import WorkerHangError, as_list, short_list
 from .ledger import Record, Role, SlotLedger
-from .deaths import describe_exit
+from .deaths import cpu_ticks, describe_exit
 from .pool import WorkerPool
 
 log = logging.getLogger("fastload")
@@ -92,7 +93,7 @@ class Supervisor:
         self.restarts_left = max_restarts
         self._restartable = restartable
         self._start_session = start_session
-        self._stall: Dict[int, Tuple[int, float, bool]] = {}  # worker -> (progress, since, warned)
+        self._stall: Dict[int, Tuple[object, float, bool]] = {}  # worker -> (progress, since, warned)
         # Dead workers whose error waits until the loop needs one of their
         # batches (see check); the ring no longer wakes waits for them.
         self._deferred: Set[int] = set()
@@ -173,7 +174,10 @@ class Supervisor:
             return
         now = time.monotonic()
         for w in range(self._pool.num_workers):
-            progress = self._ring.worker_progress(w)
+            pid = self._pool.procs[w].pid
+            joined = self._ring.worker_pid(w) != 0
+            # Not joined yet: the CPU time it used stands for its progress.
+            progress: object = self._ring.worker_progress(w) if joined else ("cpu", cpu_ticks(pid))
             seq = self._in_hand(w)
             last = self._stall.get(w)
             if seq is None:  # no work for it: it cannot be late
@@ -184,9 +188,8 @@ class Supervisor:
                 continue
             stalled = now - last[1]
             what = describe_batch(self._ledger.get(seq))
-            if self._ring.worker_pid(w) == 0:
+            if not joined:
                 what = "its start-up (it has not joined the ring yet)"
-            pid = self._pool.procs[w].pid
             if stalled >= self.hang_timeout:
                 self._hung(w, pid, what, stalled)
             elif stalled >= self.hang_timeout / 2 and not last[2]:

@@ -94,16 +94,17 @@ def _children() -> List[int]:
 
 
 def _epoch(loader: Any, pids_of: Any) -> Dict[str, float]:
-    """One epoch; the workers' memory once the last batch is in (every
-    worker has made all its batches and still runs)."""
+    """One epoch; the workers' memory once the next-to-last batch is in
+    (every worker has made all its batches but that last one, and all still
+    run: fastload's end with the last batch, DataLoader's at StopIteration)."""
     it = iter(loader)
     last = len(loader) - 1
     got: Dict[str, float] = {}
     pids: Sequence[int] = ()
     for k, _batch in enumerate(it):
-        if k == 0:  # fastload's iterator lets its workers go with the last batch
+        if k == 0:
             pids = pids_of(it)
-        if k == last:
+        if k == last - 1:
             got = _worker_memory(pids)
     del it
     return got
