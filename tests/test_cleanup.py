@@ -529,7 +529,7 @@ def test_forkserver_start_method(forkserver_running, monkeypatch):
     _check_start_method("forkserver", monkeypatch)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_forkserver_epoch_longer_than_the_parent_check(forkserver_running):
     # A worker's parent is the forkserver, not this process: a worker that
     # took that for the death of its main process quit after about a second.

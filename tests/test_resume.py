@@ -185,12 +185,13 @@ def test_resume_points(where: str) -> None:
     _check_resume(make, 0, stop, exhaust=where == "after-stop")
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_second_epoch_of_persistent_workers() -> None:
     """Workers' generators carry over epochs: the state is that of the second epoch."""
     _check_resume(lambda: _make(Augmented(24), 2, persistent_workers=True), 1, 3)
 
 
+@pytest.mark.slow
 def test_a_worker_whose_last_batch_was_in_the_epoch_before() -> None:
     """Saved after one batch of the second epoch: two of the three persistent
     workers last delivered a batch in the first epoch, whose last batches
@@ -199,13 +200,14 @@ def test_a_worker_whose_last_batch_was_in_the_epoch_before() -> None:
                   1, 1)
 
 
+@pytest.mark.slow
 def test_a_replica_seen_ending_with_a_batch_undelivered() -> None:
     """Saved when the loader already knew a replica had ended but had not yet
     delivered that replica's last batch: the resumed replica makes it again."""
     _check_resume(lambda: _make(Stream(25), 3, prefetch_factor=3), 0, 7)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_stateful_iterable_dataset_is_loaded_not_fast_forwarded() -> None:
     _check_resume(lambda: _make(StatefulStream(30), 2), 0, 4)
     loader = _make(StatefulStream(30), 2)
@@ -264,7 +266,7 @@ def test_in_order_false_delivers_the_rest_as_a_multiset() -> None:
     assert sorted(row[0] for b in head + rest for row in b) == full
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_sampler_with_generator_and_distributed_sampler() -> None:
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     _check_resume(lambda: _make(Augmented(30), 2, generator=g()), 0, 4)
@@ -301,7 +303,7 @@ class CountingBatchSampler(Sampler):
         self.epoch = sd["epoch"]
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_batch_sampler_with_state_dict_is_used() -> None:
     _check_resume(lambda: FastLoader(Augmented(32), num_workers=2,
                                      batch_sampler=CountingBatchSampler(32)), 1, 3)
@@ -367,7 +369,7 @@ class KillOnce(Augmented):
         return super().__getitem__(i)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_restarted_worker_makes_the_same_batches(tmp_path) -> None:
     """A worker killed mid-epoch is replaced with the generators of the dead
     one after its last finished batch: the epoch equals the undisturbed one."""
@@ -385,7 +387,7 @@ def test_a_restarted_worker_makes_the_same_batches(tmp_path) -> None:
     assert disturbed == calm
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_resume_after_a_restart(tmp_path) -> None:
     marker = os.fspath(tmp_path / "killed")
     torch.manual_seed(0)

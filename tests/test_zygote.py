@@ -122,7 +122,7 @@ def test_zygote_killed_is_an_error_not_a_hang():
                                                     DataLoader(Plain(40), batch_size=2)]
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_worker_dies_after_its_zygote():
     # With the zygote gone, a worker's exit status is lost but its death is
     # still seen (through its pidfd); a restart starts a new zygote.
