@@ -29,14 +29,12 @@ same batch.
 
 NOTE [ Shutdown ]
 An iterator that ends normally (or is dropped mid-epoch) gives its pool back
-to the loader, warm (:meth:`LoaderState.keep_idle_pool`). A zygote pool's
-workers are retired then, and batches still in flight die with them
-(:meth:`WorkerPool.retire`); a spawned pool's workers stay, and its orphans
-stay in the ledger until the next iterator waits them out before its
-session. An iterator that fails (a dead or hung worker, a timeout) stops its
-workers for good and raises the same error at every later ``next()``.
-Persistent workers end with the iterator. Either way, slots still leased by
-the loop stay mapped until their last view dies.
+to the loader, warm; a zygote pool's workers, and batches still in flight,
+go then (:meth:`WorkerPool.retire`), a spawned pool's orphans are waited out
+by the next session. An iterator that fails (a dead or hung worker, a
+timeout) stops its workers for good and raises the same error at every
+later ``next()``. Persistent workers end with the iterator. Slots still
+leased by the loop stay mapped until their last view dies.
 """
 
 from __future__ import annotations
@@ -153,9 +151,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
     def _start_session(self, state: LoaderState, saved: Optional[dict],
                        blob: Optional[crossing.Parcel]) -> None:
-        """Wait out what a previous iterator left in flight (on a spawned
-        pool: a zygote pool's went with its workers), then start session
-        ``blob`` on the workers, put back to ``saved``'s states."""
+        """Wait out a spawned pool's orphans, then start session ``blob`` on
+        the workers, put back to ``saved``'s states."""
         assert self._pool is not None
         workers = None
         if saved is not None:
@@ -430,8 +427,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         state.keep_idle_pool(pool)
 
     def _shutdown_workers(self, wait: bool = True) -> None:
-        """Stop the workers for good (an error, or the end of a persistent
-        iterator); ``wait``: see :meth:`WorkerPool.shutdown`."""
+        """Stop the workers for good (an error, a persistent iterator's end)."""
         if self._shutdown:
             return
         self._shutdown = True

@@ -241,21 +241,6 @@ class WorkerPool:
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
         return old
 
-    def _drop_orphans(self) -> None:
-        """If the last iterator left batches in flight (the loop broke out of
-        an epoch), kill the workers and free those batches' slots rather than
-        wait for them to be made. DataLoader shuts a dropped iterator's
-        workers down too; waiting would cost the next epoch the queued
-        batches, or all of a stuck sample."""
-        if not self.ledger.busy():
-            return
-        self._kill_workers()
-        for w, p in enumerate(self.procs):
-            p.join(5.0)
-            self._collect_overflow(w)
-            self.ring.reset_worker(w)
-            self.ledger.abandon_worker(w)
-
     def _kill_workers(self) -> None:
         """SIGKILL every live worker, its death unwatched (it is on purpose)."""
         for w, p in enumerate(self.procs):
@@ -268,23 +253,35 @@ class WorkerPool:
         zygote, they are done, as DataLoader's are at the end of an epoch,
         and go now rather than at the next ``iter()``, which forks fresh ones
         anyway; idle, they would hold memory for nothing (think of a
-        validation loader, idle through every training epoch). Batches a
-        dropped iterator left in flight go with them (:meth:`_drop_orphans`).
-        Spawned and forked workers serve every session and stay. The
-        zygote lets go of the session it unpickled for them: the next session
-        sends the dataset anew, so between epochs the zygote holds no copy."""
+        validation loader, idle through every training epoch). Spawned and
+        forked workers serve every session and stay.
+
+        Batches a dropped iterator left in flight (the loop broke out of an
+        epoch) are not waited for: their workers are killed and the slots
+        freed. DataLoader shuts a dropped iterator's workers down too;
+        waiting would cost the next epoch the queued batches, or all of a
+        stuck sample. The zygote lets go of the session it unpickled for the
+        workers: the next session sends the dataset anew, so between epochs
+        the zygote holds no copy."""
         if self._launcher != "zygote" or self._retired:
             return
-        self._drop_orphans()
+        orphans = self.ledger.busy()
+        if orphans:
+            self._kill_workers()
+            for p in self.procs:
+                p.join(5.0)
         self._retired = self._retire_workers()
+        if orphans:
+            for w in range(self.num_workers):
+                self.ledger.abandon_worker(w)
         assert self.lineage is not None
         self.lineage.forget()
 
     def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
-        """A new session of a zygote pool: retire the workers (if the last
-        iterator has not), have the zygote preload ``parcel`` and fork fresh
-        workers from it."""
-        old, self._retired = self._retired or self._retire_workers(), []
+        """A new session of a zygote pool: have the zygote preload ``parcel``
+        and fork fresh workers from it, once the last session's (retired as
+        its iterator handed the pool back) are gone."""
+        old, self._retired = self._retired, []
         assert self.lineage is not None
         self.lineage.preload(parcel, timeout)
         # The retired workers are gone before new ones attach (one queue each).
