@@ -98,7 +98,12 @@ class CudaRuntime:
         return self._check(self._cudart.cudaHostUnregister(address))
 
     def new_event(self) -> DeviceEvent:
-        return torch.cuda.Event()
+        # blocking=True (cudaEventBlockingSync): a loader waiting in
+        # ReleaseGate.wait_one for the GPU to finish with a slot sleeps
+        # instead of spinning. A training loop that queues work ahead of
+        # the GPU waits there for most of every step, and a spinning wait
+        # takes a core from the workers.
+        return torch.cuda.Event(blocking=True)
 
     def pin(self, data: Any) -> Any:
         from torch.utils.data._utils.pin_memory import pin_memory
