@@ -1,12 +1,15 @@
-"""The benchmark's extra tables: copy-on-read memory and the first epoch.
+"""The benchmark's extra tables: copy-on-read memory, the first epoch and host
+to device (the last runs on a GPU only: ``tests/test_pinning.py``).
 
 Structure and bounded ratios only, never time: one small round of each."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
-from fastload.bench import copy_on_read, first_epoch
+from fastload.bench import copy_on_read, first_epoch, h2d
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:This DataLoader will create .* worker processes in total")
@@ -38,12 +41,27 @@ def test_first_epoch_times_every_loader():
     text = first_epoch.report_lines(res)
     assert all(mode in text for mode in first_epoch.MODES)
 
+
 def test_extras_are_in_a_full_run_and_not_in_a_quick_one():
     from fastload.bench.cli import EXTRAS, _settings
 
-    assert _settings([]).extras == list(EXTRAS)
+    gpu = h2d.cuda_present()
+    assert _settings([]).extras == [e for e in EXTRAS if e != "h2d" or gpu]
+    assert _settings(["--extras", "h2d"]).extras == ["h2d"]
     assert _settings(["--quick"]).extras == []
     assert _settings(["--dataset", "m:f"]).extras == []
     assert _settings(["--quick", "--extras", "memory"]).extras == ["memory"]
     with pytest.raises(SystemExit):
         _settings(["--extras", "speed"])
+
+
+def test_host_to_device_without_a_device_says_so_and_measures_nothing():
+    from fastload.bench.cli import _Bench, _extras, _settings
+
+    if h2d.cuda_present():
+        pytest.skip("a device is present: tests/test_pinning.py runs the measure")
+    a = _settings(["--quick", "--extras", "h2d", "--workloads", "tiny"])
+    b = _Bench(a, io.StringIO())
+    assert _extras(a, b) == {}
+    assert b.skipped["h2d"] == "needs a CUDA or ROCm device"
+    assert h2d.main([]) == 2

@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import copy_on_read, first_epoch, measure, report, resume_cost
+from . import copy_on_read, first_epoch, h2d, measure, report, resume_cost
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
@@ -30,7 +30,8 @@ MAX_STEADY = 5
 # workloads again with num_workers = 2 x cores, and again with one
 # busy-looping process per core running beside each run.
 UNDER_LOAD = ("oversubscribed", "neighbour")
-EXTRAS = ("memory", "first-epoch")  # the tables after the main one (--extras)
+# The tables after the main one (--extras); 'h2d' by default only with a GPU.
+EXTRAS = ("memory", "first-epoch", "h2d")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
                    help="tables after the main one, comma-separated: 'memory' (copy-on-read: the "
                         "workers' memory on a dataset of 1.5M Python strings, 4 workers, against "
                         "DataLoader fork and spawn), 'first-epoch' (a training-like script's first "
-                        "epoch), or 'none' (default: both; none with --quick or --dataset)")
+                        "epoch), 'h2d' (host to device: the pinned ring against DataLoader's "
+                        "pin_memory; needs a CUDA or ROCm device) or 'none' (default: all, 'h2d' "
+                        "where a device is present; none with --quick or --dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "
@@ -168,7 +171,8 @@ def _settings(argv: Optional[List[str]]) -> argparse.Namespace:
         a.under_load = "none" if a.quick else ",".join(UNDER_LOAD)
     a.under_load = [] if a.under_load == "none" else a.under_load.split(",")
     if a.extras is None:
-        a.extras = "none" if a.quick or a.dataset else ",".join(EXTRAS)
+        a.extras = ("none" if a.quick or a.dataset else
+                    ",".join(e for e in EXTRAS if e != "h2d" or h2d.cuda_present()))
     a.extras = [] if a.extras == "none" else a.extras.split(",")
     if [n for n in a.extras if n not in EXTRAS]:
         raise SystemExit(f"--extras: unknown {a.extras}; choose from {', '.join(EXTRAS)} or none")
@@ -305,6 +309,12 @@ def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
         got["first_epoch"] = b.step(
             "first epoch after a model build",
             lambda: first_epoch.measure_first_epoch(rounds=a.rounds, workers=a.workers))
+    if "h2d" in a.extras:
+        if h2d.cuda_present():
+            got["h2d"] = b.step("host to device, pinned", lambda: h2d.measure_h2d(
+                rounds=a.rounds, workers=min(8, os.cpu_count() or 1)))
+        else:
+            b.skipped["h2d"] = "needs a CUDA or ROCm device"
     return got
 
 
@@ -356,6 +366,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
         out.write(copy_on_read.report_lines(extras["copy_on_read"]))
     if "first_epoch" in extras:
         out.write(first_epoch.report_lines(extras["first_epoch"]))
+    if "h2d" in extras:
+        out.write(h2d.report_lines(extras["h2d"]))
     return res
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -376,4 +388,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = list(res["workloads"].values()) + [wr for st in res["under_load"].values()
                                               for wr in st["workloads"].values()]
     bad = any(c != "yes" for w in rows for c in w["correct"].values())
+    bad = bad or not all(res.get("h2d", {}).get("correct", {}).values())
     return 1 if bad else 0
