@@ -242,6 +242,51 @@ def test_workers_end_with_their_epoch_as_dataloader_s_do(cls, how):
         assert all(pid_alive(z) for z in debug_view(loader).idle_pool.zygote_pids)
 
 
+class PutsToAQueue(torch.utils.data.Dataset):
+    """Sample i puts ``per_sample`` copies of i to a multiprocessing Queue
+    (made in the spawn context, so it reaches workers forked from a zygote).
+    A Queue's put only hands the item to a feeder thread, which writes it to
+    the pipe a moment later."""
+
+    def __init__(self, n: int, per_sample: int) -> None:
+        import multiprocessing
+
+        self.n, self.per_sample = n, per_sample
+        self.queue = multiprocessing.get_context("spawn").Queue()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        for _ in range(self.per_sample):
+            self.queue.put(i)
+        return i
+
+
+@pytest.mark.parametrize("cls", [DataLoader, FastLoader])
+def test_what_workers_put_to_a_multiprocessing_queue_arrives(cls):
+    # A worker ending with its epoch first lets its queues' feeder threads
+    # write what they hold, as a multiprocessing.Process (DataLoader's
+    # worker) does before it exits. (4,000 ints fit the pipe's buffer, so no
+    # write waits for the reader.)
+    ds = PutsToAQueue(8, 500)
+    loader = cls(ds, batch_size=2, num_workers=NW)
+    for _epoch in range(3):
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        got = sorted(ds.queue.get(timeout=10) for _ in range(8 * 500))
+        assert got == sorted(list(range(8)) * 500)
+
+
+def test_the_private_multiprocessing_exit_function_workers_run():
+    # fastload.worker runs it as a worker ends (see the test above); it is
+    # not public API, so this pins what fastload relies on.
+    import inspect
+    import multiprocessing.util
+
+    assert callable(multiprocessing.util._exit_function)
+    assert "_run_finalizers" in inspect.getsource(multiprocessing.util._exit_function)
+
+
 def test_a_replacement_worker_inherits_the_session_too(tmp_path):
     ds = Misbehave(20, {7: "kill"}, once=os.fspath(tmp_path / "failed"))
     loader = FastLoader(ds, batch_size=2, num_workers=NW, max_worker_restarts=1)

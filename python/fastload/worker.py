@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import multiprocessing.util
 import os
 import pickle
 import random
@@ -202,6 +203,32 @@ def worker_main(spec: WorkerSpec) -> None:
         pass
     finally:
         spec.sock.close()  # else it is collected unclosed (a ResourceWarning under -X dev)
+        _run_multiprocessing_exit_finalizers()
+
+
+# How long a worker at its end waits for multiprocessing's exit finalizers:
+# DataLoader's shutdown gives each worker this long to exit before it
+# terminates it (torch's MP_STATUS_CHECK_INTERVAL).
+EXIT_FINALIZERS_TIMEOUT = 5.0
+
+
+def _run_multiprocessing_exit_finalizers() -> None:
+    """Run what a ``multiprocessing.Process`` runs as it ends (DataLoader's
+    workers are such processes): above all, each ``multiprocessing.Queue``
+    this worker put to has a feeder thread that writes the items to its pipe
+    a moment after ``put()``, and the finalizers wait for it. The worker then
+    ends with ``os._exit`` (no interpreter teardown), which would drop what
+    those threads still held. Bounded, as DataLoader bounds its wait for a
+    worker: a queue nobody reads can hold a feeder forever.
+
+    ``multiprocessing.util._exit_function`` is private; it is what
+    ``Process._bootstrap`` calls, and it does nothing the second time (a
+    worker started by ``multiprocessing.Process`` runs it again on return).
+    ``tests/test_zygote.py`` pins it."""
+    t = threading.Thread(target=multiprocessing.util._exit_function,
+                         name="fastload-exit-finalizers", daemon=True)
+    t.start()
+    t.join(EXIT_FINALIZERS_TIMEOUT)
 
 
 def _isolate(spec: WorkerSpec) -> _MainWatch:
