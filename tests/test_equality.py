@@ -557,7 +557,7 @@ def test_overflow_batches_left_early(tmp_path):
     assert not leaked, f"overflow segments left open: {leaked}"
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # waits out DataLoader's 5 s for a stuck worker
 def test_a_stuck_sample_left_behind_does_not_hold_up_the_next_epoch(tmp_path):
     """The loop breaks out of an epoch while a worker is stuck in a sample
     (20 s, the first time only). DataLoader's next epoch waits up to 5 s for

@@ -221,6 +221,7 @@ def _summary(mem) -> tuple:
 MB = 1 << 20
 
 
+@pytest.mark.slow  # DataLoader fork and spawn beside fastload on 1.5M strings: ~11 s
 @pytest.mark.filterwarnings("ignore:This DataLoader will create .* worker processes in total")
 def test_workers_share_the_dataset_as_forked_dataloader_workers_do() -> None:
     """Workers forked from a zygote that unpickled the dataset share its
