@@ -174,15 +174,15 @@ class Supervisor:
             return
         now = time.monotonic()
         for w in range(self._pool.num_workers):
+            seq = self._in_hand(w)
+            if seq is None:  # no work for it: it cannot be late
+                self._stall.pop(w, None)
+                continue
             pid = self._pool.procs[w].pid
             joined = self._ring.worker_pid(w) != 0
             # Not joined yet: the CPU time it used stands for its progress.
             progress: object = self._ring.worker_progress(w) if joined else ("cpu", cpu_ticks(pid))
-            seq = self._in_hand(w)
             last = self._stall.get(w)
-            if seq is None:  # no work for it: it cannot be late
-                self._stall.pop(w, None)
-                continue
             if last is None or last[0] != progress:
                 self._stall[w] = (progress, now, False)
                 continue
