@@ -13,6 +13,15 @@ spawn) refuses both with ``TypeError: cannot pickle '_io.TextIOWrapper'
 object``. We refuse them as plain pickle does: silently shipping a file's
 contents to every worker is not what a dataset holding a handle means.
 
+The training script counts as ``__main__`` under any name. In a process
+that ``multiprocessing`` started with spawn or forkserver (a DDP rank from
+``torch.multiprocessing.spawn``, a ``ProcessPoolExecutor`` worker), the
+script was imported as ``__mp_main__``, its classes say
+``__module__ == "__mp_main__"``, and cloudpickle would send them by
+reference, to workers that never import the script. While fastload pickles,
+that module is registered with cloudpickle as one to send by value (its
+public ``register_pickle_by_value``), exactly as ``__main__`` is.
+
 When pickling fails, the error gets a note naming the object that could not
 be sent, by its path from the top (``dataset.row_lock``), and the remedy.
 """
@@ -21,6 +30,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
+import threading
+import types
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -32,8 +44,44 @@ _SEARCH_DEPTH = 6  # how deep into attributes/containers the culprit is looked f
 _SEARCH_WIDTH = 256  # children looked at per object (a dataset may hold a list of millions)
 
 
+# Held while the script's module is registered with cloudpickle as sent by
+# value (a registration is process-wide): one dump at a time sees it.
+_BY_VALUE_LOCK = threading.Lock()
+
+
+def script_module() -> Optional[types.ModuleType]:
+    """The module the training script runs as when its name is not
+    ``__main__`` (``__mp_main__`` in a process multiprocessing started with
+    spawn or forkserver), else None."""
+    main = sys.modules.get("__main__")
+    name = getattr(main, "__name__", "__main__")
+    if name == "__main__" or not isinstance(main, types.ModuleType) or sys.modules.get(name) is not main:
+        return None
+    return main
+
+
+def is_script_name(module_name: Optional[str]) -> bool:
+    """Whether ``module_name`` names the training script's module
+    (``__main__``, or ``__mp_main__`` in a spawn-started process)."""
+    return module_name in ("__main__", "__mp_main__")
+
+
 class Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, except that open files fail as they do with plain pickle."""
+    """cloudpickle, except that open files fail as they do with plain pickle,
+    and the script's module is sent by value under any name."""
+
+    def dump(self, obj: Any) -> None:
+        script = script_module()
+        if script is None:
+            return super().dump(obj)  # type: ignore[no-any-return]
+        with _BY_VALUE_LOCK:
+            if script.__name__ in cloudpickle.list_registry_pickle_by_value():
+                return super().dump(obj)  # type: ignore[no-any-return]
+            cloudpickle.register_pickle_by_value(script)
+            try:
+                return super().dump(obj)  # type: ignore[no-any-return]
+            finally:
+                cloudpickle.unregister_pickle_by_value(script)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):

@@ -12,6 +12,7 @@ the slot freed at once, so the workers never run out of slots to fill.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import io
 import mmap
 import os
@@ -128,10 +129,11 @@ def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torc
     torch's nested view reads its buffer from the start of the buffer's
     storage, and values whose storage they share with other tensors of the
     batch start inside it: they get a storage of their own over the same
-    bytes (which keeps the shared one alive through numpy's reference).
+    bytes (which keeps the shared one alive, see :func:`_tensor_bytes`).
     """
     if values.storage_offset() or values.untyped_storage().nbytes() != values.nbytes:
-        values = torch.from_numpy(values.view(torch.uint8).numpy()).view(values.dtype)
+        values = torch.frombuffer(_tensor_bytes(values.view(torch.uint8)),
+                                  dtype=torch.uint8).view(values.dtype)
     return torch._nested_view_from_buffer(values, sizes, strides, offsets)
 
 
@@ -210,9 +212,9 @@ class _Storages:
     """
 
     def __init__(self, base: Any, copy: bool = False) -> None:
-        # The storages keep the base alive (a tensor's through numpy), or
-        # with ``copy`` hold copies of its bytes (one per group) and let it go.
-        self._base = base.numpy() if isinstance(base, torch.Tensor) else base
+        # The storages keep the base alive, or with ``copy`` hold copies of
+        # its bytes (one per group) and let it go.
+        self._base = _bytes_view(base)
         self._copy = copy
         self._groups: List[list] = []  # [start, end, u8 tensor, [(tensor, offset)]]
 
@@ -241,9 +243,10 @@ class _Storages:
                     lo = min(lo, self._groups[j][0])
                     lo -= lo % _MAX_ITEMSIZE
             merged = self._groups[j:k]
-            u8 = torch.frombuffer(self._base, dtype=torch.uint8, count=hi - lo, offset=lo)
             if self._copy:  # over a bytearray: not resizable, as DataLoader's shared storages
-                u8 = torch.frombuffer(bytearray(u8.numpy()), dtype=torch.uint8)
+                u8 = torch.frombuffer(bytearray(self._base[lo:hi]), dtype=torch.uint8)
+            else:
+                u8 = torch.frombuffer(self._base, dtype=torch.uint8, count=hi - lo, offset=lo)
             members = [m for g in merged for m in g[3]]
             for m, m_off in members:
                 m.set_(u8.untyped_storage(), (m_off - lo) // m.element_size(), m.shape, m.stride())
@@ -280,5 +283,17 @@ def _bytes_view(base: Any) -> Optional[memoryview]:
     if base is None:
         return None
     if isinstance(base, torch.Tensor):
-        return memoryview(base.numpy()).cast("B")  # type: ignore[no-any-return]
+        return _tensor_bytes(base)
     return memoryview(base).cast("B")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t`` as a writable buffer that
+    keeps ``t`` alive. ``Tensor.numpy()`` would do, but torch does not
+    depend on numpy and neither may fastload: a ctypes array over the same
+    address is the standard library's way."""
+    if not t.is_contiguous():
+        raise ValueError("fastload: a batch base must be a contiguous tensor")
+    arr = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
+    arr._owner = t  # type: ignore[attr-defined]  # the tensor lives as long as the buffer
+    return memoryview(arr).cast("B")

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._pickling import is_script_name
 from .batch_format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
 __all__ = ["SlotWriter"]
@@ -374,13 +375,14 @@ class _BatchPickler(pickle.Pickler):
         return None
 
     def reducer_override(self, obj: Any) -> Any:
-        # A class of the training script or notebook (a namedtuple, a
+        # A class of the training script or notebook (``__main__``, or
+        # ``__mp_main__`` in a spawn-started training process: a namedtuple, a
         # dataclass, an enum) reached this worker by value: plain pickle
         # cannot name it here. Sent back by value with cloudpickle, it is
         # rebuilt as the main process's own class: cloudpickle tags a class
         # it sends by value and, receiving the tag where the class came
         # from, returns the original (``type(batch) is Pair`` holds).
-        if isinstance(obj, type) and obj.__module__ == "__main__":
+        if isinstance(obj, type) and is_script_name(obj.__module__):
             return _main_class_reduce(obj)
         return NotImplemented
 
