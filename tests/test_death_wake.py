@@ -10,6 +10,7 @@ answered, never on how long it took.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 from fastload import FastLoader, _core
 from fastload.debug import debug_view
 from support import KILLED_RE
-from support.faults import Misbehave
+from support.faults import Gate, Misbehave
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux 5.3+)")
 
@@ -191,7 +192,7 @@ _IGNORED_SIGCHLD_FORK = """
 import signal, sys
 sys.path.insert(0, {tests!r})
 from fastload import FastLoader
-from support.faults import Misbehave
+from support.faults import Gate, Misbehave
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 for on in ({{5: "kill"}}, {{4: "kill", 2: "sleep"}}):
     loader = FastLoader(Misbehave(16, on, seconds=1.0), batch_size=2, num_workers=2,
@@ -240,17 +241,88 @@ def test_a_restart_under_waits_without_end(tmp_path, alarm: None) -> None:
     assert (tmp_path / "failed").exists()
 
 
-def test_batches_a_live_worker_owes_first_come_before_the_death(alarm: None) -> None:
+def test_a_death_is_not_held_back_by_a_batch_a_live_worker_has_not_made(alarm: None) -> None:
     """Worker 0 dies on batch 2 while the loop waits for batch 1, which
-    worker 1 makes slowly: batch 1 is still delivered (as DataLoader
-    delivers what arrives before its check of the workers), and the error
-    comes when the loop needs the dead worker's batch, naming it."""
-    ds = Misbehave(16, {2: "sleep", 4: "kill"}, seconds=1.0)
+    worker 1 is still making (slowly): the error comes at once, naming the
+    dead worker's batch, rather than after batch 1. Batch 0, made before
+    the death, is delivered first."""
+    ds = Misbehave(16, {2: "sleep", 4: "kill"}, seconds=LONG)
     loader = FastLoader(ds, batch_size=2, num_workers=2, hang_timeout=None,
                         max_worker_restarts=0)
     it = iter(loader)
-    got = [next(it).tolist(), next(it).tolist()]
+    got = [next(it).tolist()]
     with pytest.raises(RuntimeError, match=KILLED_RE) as info:
         next(it)
-    assert got == [[0, 1], [2, 3]]
+    assert got == [[0, 1]]
     assert "batch(es) 2" in str(info.value)
+
+
+def _stuck_pair(tmp_path, ctx, restarts: int):
+    """Two workers, batch size 1, samples 6 and later stuck behind a gate:
+    worker 0 gets stuck on batch 6, worker 1 on batch 7. Three batches taken."""
+    ds = Gate(40, os.fspath(tmp_path), from_index=6)
+    loader = FastLoader(ds, batch_size=1, num_workers=2, multiprocessing_context=ctx,
+                        hang_timeout=LONG / 4, max_worker_restarts=restarts)
+    it = iter(loader)
+    got = [int(next(it)) for _ in range(3)]
+    return ds, it, got
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+@pytest.mark.parametrize("victim", [0, 1], ids=["stuck-behind", "stuck-ahead"])
+def test_a_killed_worker_beside_a_stuck_one_is_reported_at_once(tmp_path, alarm: None,
+                                                                ctx, victim: int) -> None:
+    """A worker SIGKILLed while the other is stuck in a sample: the death
+    is raised in DataLoader's words, naming its pid and the batches it held,
+    without waiting for the stuck worker's batch (which only the hang
+    watchdog, set far beyond the test's alarm, would end). Killing worker 1
+    leaves the stuck worker 0 owing batch 6, ahead of the dead worker's 7;
+    killing worker 0 leaves the dead worker owing batch 6, ahead of the
+    stuck one's 7. Batches already made may still be delivered first."""
+    ds, it, got = _stuck_pair(tmp_path, ctx, restarts=0)
+    pid = debug_view(it).worker_pids[victim]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=KILLED_RE) as info:
+        while True:
+            got.append(int(next(it)))
+    msg = str(info.value)
+    assert int(re.search(KILLED_RE, msg).group(1)) == pid
+    assert got == list(range(len(got))) and len(got) <= 6  # made before the gate, in order
+    held = [int(b) for b in re.search(r"batch\(es\) ([\d, ]+) of this epoch", msg).group(1).split(", ")]
+    # The dead worker's own batches, none of them delivered.
+    assert held and all(b % 2 == victim and b >= len(got) for b in held), msg
+    with pytest.raises(RuntimeError, match=KILLED_RE):
+        next(it)  # the iterator stays failed, as DataLoader's does
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+@pytest.mark.parametrize("victim", [0, 1], ids=["stuck-behind", "stuck-ahead"])
+def test_a_replacement_starts_while_the_other_worker_is_stuck(tmp_path, alarm: None,
+                                                              ctx, victim: int) -> None:
+    """With ``max_worker_restarts``, the dead worker's replacement starts
+    and takes up its batches at once, while the other worker is still stuck
+    (it does not queue behind the stuck batch); once the gate opens, every
+    index arrives exactly once, in order."""
+    ds, it, got = _stuck_pair(tmp_path, ctx, restarts=1)
+    pids = debug_view(it).worker_pids
+    os.kill(pids[victim], signal.SIGKILL)
+    replacement_seen = threading.Event()
+
+    def open_the_gate() -> None:
+        # The replacement has entered the dead worker's first stuck sample
+        # (6 or 7) while the other worker still sits in its own.
+        deadline = time.monotonic() + LONG / 4
+        while time.monotonic() < deadline:
+            pids_in = ds.entered().get(6 + victim, [])
+            if any(p not in pids for p in pids_in):
+                replacement_seen.set()
+                break
+            time.sleep(0.02)
+        ds.open()
+
+    opener = threading.Thread(target=open_the_gate, daemon=True)
+    opener.start()
+    got += [int(b) for b in it]
+    opener.join()
+    assert replacement_seen.is_set()
+    assert got == list(range(40))

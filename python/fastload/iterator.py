@@ -276,7 +276,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
     # ---- receiving ---------------------------------------------------------
     def _wait_one(self, deadline: Optional[float] = None,
-                  needed: Optional[int] = None) -> Optional[Record]:
+                  needed: Optional[Record] = None) -> Optional[Record]:
         """One round of waiting: a completed record, or None with the workers
         checked, after a worker died or the watchdog's interval passed
         (NOTE [ Supervision ])."""
@@ -293,18 +293,20 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             self._fail(f"DataLoader timed out after {self._timeout} seconds")
         return None
 
-    def _check(self, needed: Optional[int]) -> None:
+    def _check(self, needed: Optional[Record]) -> None:
         """The supervisor's look at the workers; a lost worker ends the iterator."""
         try:
             self._supervisor.check(needed)
         except WorkerLost as lost:
             self._fatal = str(lost.error)
-            self._shutdown_workers()
+            # No grace period: the error is due now, and a live worker stuck
+            # in a sample would not see a stop until it came out of it.
+            self._shutdown_workers(wait=False)
             raise lost.error from None
 
-    def _receive_one(self, deadline: Optional[float], needed: Optional[int]) -> Record:
+    def _receive_one(self, deadline: Optional[float], needed: Optional[Record]) -> Record:
         """Block until some batch of this iterator has a result (``needed``:
-        the worker owing the batch due next, see Supervisor.check)."""
+        the batch due next, see Supervisor.check)."""
         while True:
             rec = self._wait_one(deadline, needed)
             if rec is not None and rec.role is Role.BATCH:
@@ -350,7 +352,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
             if self._shutdown or self._tasks_outstanding <= 0:
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
-            got = self._receive_one(deadline, rec.worker if self._in_order else None)
+            got = self._receive_one(deadline, rec if self._in_order else None)
             self._tasks_outstanding -= 1
             if got.kind == KIND_EXHAUSTED:
                 self._ledger.discard(got)

@@ -11,13 +11,14 @@ with no polling. The wait's timeout is only what the hang watchdog needs
 at all without a watchdog; where a worker could not be watched (no pidfd)
 the iterator checks every 0.1 s instead. :meth:`Supervisor.check` looks for
 
-* **dead workers** (any exit, any signal): the epoch ends with DataLoader's
-  message for the worker (its last words if it died starting up) and the
-  batches it held; or, with ``max_worker_restarts``, the worker is replaced
-  (:meth:`Supervisor.restart`). The epoch ends when the loop needs one of
-  the dead worker's batches: batches that live workers owe before that are
-  still delivered, so when the error comes does not depend on which
-  process the scheduler ran first;
+* **dead workers** (any exit, any signal): the epoch ends at once with
+  DataLoader's message for the worker (its last words if it died starting
+  up) and the batches it held; or, with ``max_worker_restarts``, the worker
+  is replaced at once (:meth:`Supervisor.restart`). Only batches already
+  made and waiting in the ring are delivered before the error: the loop
+  never waits for a batch that is not made yet, since the worker owing it
+  may be slow or stuck (a stuck one would hold the error back until the
+  hang watchdog fires, minutes later);
 * **hung workers**: each worker bumps a progress counter in the ring at
   every pop and commit. A worker that should be working (it holds a batch,
   or has one queued: a worker stopped between two tasks, or before it has
@@ -98,15 +99,15 @@ class Supervisor:
         # batches (see check); the ring no longer wakes waits for them.
         self._deferred: Set[int] = set()
 
-    def check(self, needed: Optional[int] = None) -> None:
+    def check(self, needed: Optional[Record] = None) -> None:
         """Look at every worker once; raise :class:`WorkerLost` to end the epoch.
 
-        ``needed``: the worker whose batch the loop waits for, in order. A
-        worker that died (and cannot be restarted) while another, live one
-        owes that batch does not end the epoch yet: the batches before its
-        own are delivered first, as DataLoader delivers what arrives before
-        its check of the workers, and the error comes when the loop needs
-        one of the dead worker's batches (or with ``needed=None``, at once)."""
+        ``needed``: the batch the loop waits for, in order. While it is
+        already made (READY in the ring), a worker that died and cannot be
+        restarted does not end the epoch yet: that batch is delivered first,
+        as DataLoader delivers what arrived before its check of the workers.
+        The error comes as soon as the loop needs a batch that is not made
+        (with ``needed=None``, at once)."""
         self._check_deaths(needed)
         self._check_hangs()
 
@@ -132,7 +133,10 @@ class Supervisor:
         return self._restartable and self.restarts_left >= n
 
     # ---- deaths --------------------------------------------------------------
-    def _check_deaths(self, needed: Optional[int]) -> None:
+    def _made(self, rec: Optional[Record]) -> bool:
+        return rec is not None and (rec.done or self._ring.is_ready(rec.slot, rec.seq))
+
+    def _check_deaths(self, needed: Optional[Record]) -> None:
         dead = self._pool.dead_workers()
         if not dead:
             return
@@ -140,7 +144,7 @@ class Supervisor:
             for wid, pid, code in dead:
                 self.restart(wid, describe_exit(pid, code).strip())
             return
-        if needed is not None and needed not in {wid for wid, _pid, _code in dead}:
+        if self._made(needed):
             for wid, _pid, _code in dead:
                 if wid not in self._deferred:
                     self._deferred.add(wid)
@@ -150,7 +154,7 @@ class Supervisor:
         for wid, pid, code in dead:
             msg = describe_exit(pid, code, self._pool.death_note(wid))
             mine = sorted((r for r in self._ledger.of_worker(wid)
-                           if r.role is Role.BATCH and not r.done), key=lambda r: r.idx)
+                           if r.role is Role.BATCH and not self._made(r)), key=lambda r: r.idx)
             if mine:
                 batches = ", ".join(str(r.idx) for r in mine)
                 msg += (f"It was making batch(es) {batches} of this epoch "

@@ -4,6 +4,8 @@
   exit / hang / return something odd".
 * :class:`Pattern` -- the fault-injection suite's dataset: faults switched
   on and off by marker files, so a test decides when they land.
+* :class:`Gate` -- samples from an index on wait until the test opens a gate
+  (a stuck worker the test can release), and say who started each sample.
 * :class:`Holds`, :class:`OddSample`, :class:`NoLoad`, :class:`NoDump` --
   what cannot be pickled to a worker, or back.
 * :class:`UnpicklesWith` -- a dataset whose unpickling starts a thread,
@@ -216,6 +218,38 @@ class Pattern(Dataset):
                 self._log("raised.log", f"{i} {time.monotonic()!r}")
                 raise InjectedFault(f"injected fault at index {i}")
         return sample(i)
+
+
+class Gate(Plain):
+    """``dataset[i] == torch.tensor(i)``; in a worker, every ``dataset[i]``
+    first leaves a file ``enter-<i>-<pid>`` in the directory ``ctl``, and
+    for ``i >= from_index`` it then waits until the file ``ctl/open`` exists
+    (a sample stuck for as long as the test wants: a dataset on a file
+    system that stopped answering)."""
+
+    def __init__(self, n: int, ctl: str, from_index: int) -> None:
+        super().__init__(n)
+        self.ctl = ctl
+        self.from_index = from_index
+
+    def __getitem__(self, i: int) -> Any:
+        if in_worker():
+            open(os.path.join(self.ctl, f"enter-{i}-{os.getpid()}"), "w").close()
+            while i >= self.from_index and not os.path.exists(os.path.join(self.ctl, "open")):
+                time.sleep(0.01)
+        return self.row(i)
+
+    def entered(self) -> Dict[int, List[int]]:
+        """Index -> pids of the workers that started making it."""
+        out: Dict[int, List[int]] = {}
+        for name in os.listdir(self.ctl):
+            if name.startswith("enter-"):
+                _, i, pid = name.split("-")
+                out.setdefault(int(i), []).append(int(pid))
+        return out
+
+    def open(self) -> None:
+        open(os.path.join(self.ctl, "open"), "w").close()
 
 
 # ---------------------------------------------------------------------------
