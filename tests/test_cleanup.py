@@ -133,11 +133,11 @@ def test_break_then_del_without_gc(reuse):
 def _train(loader, pids_out):
     for k, batch in enumerate(loader):
         if k == 0:
-            # the workers (a pool's zygote, their parent, is checked by no_leaks)
-            it_pids = [p.pid for p in children()
-                       if not ("fastload zygote" in " ".join(p.cmdline())
-                               and p.ppid() == os.getpid())]
-            pids_out.extend(it_pids)
+            # the workers: the leaves of the process tree (the fork server and
+            # the pool's zygote, their ancestors, are checked by no_leaks)
+            kids = children()
+            parents = {p.ppid() for p in kids}
+            pids_out.extend(p.pid for p in kids if p.pid not in parents)
         if k == 2:
             raise ZeroDivisionError("loss exploded")
 

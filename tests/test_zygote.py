@@ -35,7 +35,9 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     zygote_pid = pool.zygote_pid
     assert zygote_pid is not None and zygote_pid != os.getpid()
     zygote = psutil.Process(zygote_pid)
-    assert zygote.ppid() == os.getpid()
+    # Forked from the training process's fork server, a child of this process.
+    server = debug_view(loader).fork_server_pid
+    assert zygote.ppid() == server and psutil.Process(server).ppid() == os.getpid()
     assert "fastload zygote" in " ".join(zygote.cmdline())
     # Started with accelerators hidden; this process's environment untouched.
     assert zygote.environ()["CUDA_VISIBLE_DEVICES"] == ""
@@ -47,13 +49,14 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     keys = ("index", "worker_id", "num_workers", "has_info", "threads")
     assert [tuple(r[k] for k in keys) for r in rows] == [tuple(r[k] for k in keys) for r in want]
     assert all(r[v] == "" for r in rows for v in ACCEL_VARS)
-    # The warm pool keeps its zygote; both end with the loader.
+    # The warm pool keeps its zygote; both end with the loader, and the
+    # fork server with the last loader.
     pids = pool.pids
     del it, pool
     assert pid_alive(zygote_pid)
     del loader
     gc.collect()
-    assert wait_pids_gone([zygote_pid, *pids], timeout=10) == []
+    assert wait_pids_gone([zygote_pid, server, *pids], timeout=10) == []
 
 
 @pytest.mark.heavy
@@ -155,24 +158,38 @@ def test_worker_dies_after_its_zygote():
             pass
 
 
-def test_zygote_starts_with_the_loader_and_ends_with_it_unused():
+def test_fork_server_starts_with_the_loader_and_ends_with_it_unused():
     loader = FastLoader(Plain(8), batch_size=2, num_workers=NW)
-    (pid,) = debug_view(loader).spare_zygote_pids
-    assert pid_alive(pid)
+    pid = debug_view(loader).fork_server_pid
+    assert pid is not None and pid_alive(pid)
     del loader
-    assert wait_pids_gone([pid], timeout=10) == []  # never iterated: stopped with the loader
+    assert wait_pids_gone([pid], timeout=10) == []  # the last loader is gone: stopped
 
 
-def test_prestarted_zygote_is_the_first_pool_s():
-    loader = FastLoader(Plain(8), batch_size=2, num_workers=NW)
-    (pid,) = debug_view(loader).spare_zygote_pids
-    it = iter(loader)
-    assert debug_view(it).pool.zygote_pid == pid and debug_view(loader).spare_zygote_pids == ()
+def test_every_loader_forks_its_zygote_from_one_fork_server():
+    """The fork server imports torch once; each pool's zygote is forked from
+    it (its parent), for a first, second and third loader alike, and the
+    server stops when the last loader is gone."""
+    first = FastLoader(Plain(8), batch_size=2, num_workers=NW)
+    server = debug_view(first).fork_server_pid
+    it = iter(first)
     assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    # No zygote for explicit start methods or num_workers=0.
+    loaders = [FastLoader(Plain(6), batch_size=3, num_workers=NW) for _ in range(2)]
+    zygotes = []
+    for loader in loaders:
+        assert debug_view(loader).fork_server_pid == server
+        it = iter(loader)
+        zygote = debug_view(it).pool.zygote_pid
+        assert psutil.Process(zygote).ppid() == server
+        zygotes.append(zygote)
+        assert [b.tolist() for b in it] == [[0, 1, 2], [3, 4, 5]]
+    assert len(set(zygotes)) == 2 and server not in zygotes
+    # No fork server for explicit start methods or num_workers=0.
     spawn = FastLoader(Plain(8), num_workers=NW, multiprocessing_context="spawn")
-    assert debug_view(spawn).spare_zygote_pids == ()
-    assert debug_view(FastLoader(Plain(8))).spare_zygote_pids == ()
+    assert debug_view(spawn).fork_server_pid is None
+    assert debug_view(FastLoader(Plain(8))).fork_server_pid is None
+    del first, loaders, it, loader
+    assert wait_pids_gone([server], timeout=10) == []
 
 
 @pytest.mark.parametrize("ctx", [None, "spawn", "forkserver", "fork"])
@@ -232,6 +249,8 @@ def test_workers_end_with_their_epoch_as_dataloader_s_do(cls, how):
         it = iter(loader)
         assert next(it).tolist() == [0, 1]
         workers = {c.pid for c in children()} - before
+        if cls is FastLoader:  # the pool's zygote, forked from the fork server at iter()
+            workers -= set(debug_view(it).pool.zygote_pids)
         assert len(workers) == NW
         if how == "exhausted":
             assert [b.tolist() for b in it][-1] == [38, 39]

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from . import _core
 from .iterator import FastLoaderIter
+from .lineage import fork_server
 from .loader import STATE_ATTR
 from .pool import WorkerPool
 
@@ -157,8 +158,11 @@ class LoaderView:
 
     idle_pool: Optional[PoolView]
     """The warm pool kept between epochs (``reuse_workers``), or None."""
-    spare_zygote_pids: Tuple[int, ...]
-    """The zygote started with the loader, until its first pool takes it."""
+    fork_server_pid: Optional[int]
+    """The fork server this loader keeps running (its pools' zygotes are
+    forked from it), or None: the loader holds no lease on one (an explicit
+    start method, ``num_workers=0``, or a DataLoader not yet iterated under
+    ``fastload.install()``)."""
     iterator: Optional[IteratorView]
     """The iterator the loader keeps (``persistent_workers=True``), or None."""
 
@@ -203,8 +207,9 @@ def _loader_view(loader: DataLoader) -> LoaderView:
     return LoaderView(
         idle_pool=(_pool_view(state.idle_pool)
                    if state is not None and state.idle_pool is not None else None),
-        spare_zygote_pids=(tuple(z.pid for z in state.spare_zygotes if z.pid is not None)
-                           if state is not None else ()),
+        fork_server_pid=(fork_server(not state.options.allow_gpu_in_workers).pid
+                         if state is not None and state.server_lease is not None
+                         and state.server_lease.held else None),
         iterator=_iterator_view(it) if isinstance(it, FastLoaderIter) else None,
     )
 

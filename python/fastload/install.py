@@ -18,7 +18,6 @@ A class that overrides ``_get_iterator`` without calling
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import weakref
@@ -29,9 +28,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .iterator import FastLoaderIter
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .launch import Zygote
-from .lineage import start_zygote
-from .warm import LoaderState, stop_spare_zygotes
+from .lineage import ServerLease, lease_fork_server
+from .warm import LoaderState, release_lease
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -41,10 +39,10 @@ _lock = threading.Lock()
 _active = False
 _defaults = LoaderOptions()
 _announced = False  # the INFO line for the first loader iterated since install()
-# The zygote install() starts at once, so that it imports torch while the
-# script builds its model; the first hooked loader that forks its workers
-# from a zygote takes it (stopped by uninstall() or at exit if none does).
-_spare_zygotes: List[Zygote] = []
+# install()'s lease on the fork server, taken at once so that the server
+# imports torch while the script builds its model; released by uninstall()
+# (each hooked loader holds a lease of its own).
+_lease: List[ServerLease] = []
 # DataLoader._get_iterator as found when install() replaced it.
 _original: Optional[Callable[[DataLoader], _BaseDataLoaderIter]] = None
 
@@ -78,7 +76,7 @@ def install(
     iterator keeps the options it started with).
 
     One INFO line on the ``"fastload"`` logger tells when the first loader
-    runs on fastload. The zygote the first loader's workers fork from is
+    runs on fastload. The fork server every loader's workers come from is
     started now, in the background: it imports torch while the script
     builds its model, so the first epoch does not wait for it.
 
@@ -90,26 +88,26 @@ def install(
         allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
         held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
         max_worker_restarts=max_worker_restarts, device=device,
-    ), start_zygote_now=True)
+    ), start_server_now=True)
 
 
 def install_for_process_tree() -> None:
     """``install()`` as ``FASTLOAD_INSTALL=1`` runs it, in every Python process
     of a tree that imports torch's DataLoader: with the default options and
-    no zygote started ahead (launchers, compile workers and tools in the
-    tree install too, and most of them never iterate a loader; a loader
-    starts its own zygote when it first needs one)."""
-    _activate(LoaderOptions(), start_zygote_now=False)
+    no fork server started ahead (launchers, compile workers and tools in
+    the tree install too, and most of them never iterate a loader; the
+    first loader that needs the server starts it)."""
+    _activate(LoaderOptions(), start_server_now=False)
 
 
-def _activate(options: LoaderOptions, start_zygote_now: bool) -> None:
+def _activate(options: LoaderOptions, start_server_now: bool) -> None:
     global _active, _defaults, _announced, _original
     with _lock:
         _defaults = options
         if _active:
             return
-        if start_zygote_now and not _spare_zygotes:
-            _spare_zygotes.append(start_zygote(not options.allow_gpu_in_workers))
+        if start_server_now and not _lease:
+            _lease.append(lease_fork_server(not options.allow_gpu_in_workers))
         if _original is None:  # else our hook is still in place (see uninstall)
             _original = DataLoader.__dict__["_get_iterator"]
             DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign]
@@ -129,7 +127,8 @@ def uninstall() -> None:
         if not _active:
             return
         _active = False
-        stop_spare_zygotes(_spare_zygotes)
+        while _lease:
+            _lease.pop().release()
         if DataLoader.__dict__.get("_get_iterator") is _get_iterator:
             assert _original is not None
             DataLoader._get_iterator = _original  # type: ignore[method-assign]
@@ -160,10 +159,7 @@ def _get_iterator(self: DataLoader) -> _BaseDataLoaderIter:
     if state is None:
         state = self.__dict__[STATE_ATTR] = LoaderState(_defaults)
         if self.multiprocessing_context is None:
-            with _lock:  # the zygote install() started, if no loader took it yet
-                state.spare_zygotes.extend(_spare_zygotes)
-                _spare_zygotes.clear()
-            weakref.finalize(self, stop_spare_zygotes, state.spare_zygotes)
+            weakref.finalize(self, release_lease, state.lease_fork_server())
     elif state.options is not _defaults:  # install() was called again since
         state.options = _defaults
     _announce(self)
@@ -181,4 +177,4 @@ def _announce(loader: DataLoader) -> None:
              loader.num_workers)
 
 
-atexit.register(stop_spare_zygotes, _spare_zygotes)
+

@@ -57,7 +57,7 @@ from . import crossing
 from .child import Child, note_pipe
 from .crossing import memfd_of
 from .zygote import (DECLINED, EXITED, FORGET_REQ, LOST, MAX_FDS, PRELOAD, PRELOAD_REQ,
-                     PRELOADED, STARTED, TAINTED, UNPICKLING, WHY_MAX)
+                     PRELOADED, STARTED, TAINTED, UNPICKLING, WHY_MAX, ZYGOTE_REQ)
 
 __all__ = ["Child", "Zygote", "spawn", "memfd_of", "ZYGOTE_PRELOAD",
            "PRELOADED", "DECLINED", "TAINTED", "LOST"]
@@ -126,38 +126,34 @@ def spawn(target: str, parcel: crossing.Parcel, env: Optional[Mapping[str, str]]
 
 
 class Zygote:
-    """A fork server of fastload's own: one spawned interpreter that imports
-    torch, then forks a worker per :meth:`start` request.
+    """A fork server of fastload's own: a process that has imported torch
+    and forks a worker per :meth:`start` request.
 
-    Launched by the constructor without waiting for it: it imports torch
-    while the caller goes on (a loader starts one at construction, while the
+    The constructor launches one as a fresh interpreter, without waiting for
+    it: it imports torch while the caller goes on (the training process's
+    fork server, started when the first loader is constructed, while the
     script builds its model); the first request waits until it is ready.
-    It ends with :meth:`stop`, or when the training process dies (its
-    control socket closes).
+    :meth:`fork_zygote` forks another from it in milliseconds, sharing what
+    it imported: each pool's own zygote is made so. A zygote ends with
+    :meth:`stop`, or when the training process dies (its control socket
+    closes).
     """
 
     def __init__(self, hide_accelerators: bool, env: Optional[Mapping[str, str]] = None,
                  preload: Sequence[str] = ZYGOTE_PRELOAD) -> None:
-        self.hide_accelerators = hide_accelerators  # how its environment was set at start
-        self._owner_pid = os.getpid()  # a forked copy of this object must not stop it
-        self._lock = threading.Lock()
-        self._exited: Dict[int, int] = {}
-        self.alive = True
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._ctl = mine
         note_r, note_w = note_pipe()
-        os.close(note_r)  # a zygote that fails shows it on stderr and by refusing work
         r, w = os.pipe()
         try:
             header = pickle.dumps({"target": "zygote", "preload": list(preload),
                                    "ctl": theirs.fileno(), "sys_path": list(sys.path),
                                    "note_fd": note_w}, protocol=pickle.HIGHEST_PROTOCOL)
-            self._popen = subprocess.Popen(
+            popen = subprocess.Popen(
                 [sys.executable, "-c", _ZYGOTE_BOOT.format(fd=r)],
                 pass_fds=(r, theirs.fileno(), note_w), env=_child_env(env), **_OWN_GROUP,
             )
         except BaseException:
-            for fd in (r, w, note_w):
+            for fd in (r, w, note_r, note_w):
                 os.close(fd)
             mine.close()
             theirs.close()
@@ -167,20 +163,58 @@ class Zygote:
         theirs.close()
         with os.fdopen(w, "wb") as f:
             f.write(header)
+        self._adopt(hide_accelerators, mine, Child(popen.pid, note_r, popen=popen), None)
+
+    def _adopt(self, hide_accelerators: bool, ctl: socket.socket, proc: Child,
+               server: Optional["Zygote"]) -> None:
+        self.hide_accelerators = hide_accelerators  # how its environment was set at start
+        self._owner_pid = os.getpid()  # a forked copy of this object must not stop it
+        self._lock = threading.Lock()
+        self._exited: Dict[int, int] = {}
+        self.alive = True
+        self._ctl = ctl
+        self._proc = proc
+        self.server = server  # the zygote this one was forked from, if any
+
+    def fork_zygote(self) -> "Zygote":
+        """A new zygote forked from this one: it shares the modules this one
+        imported and holds no session; its parent (this one) reaps it.
+        Waits for this one to be ready (Ctrl-C interrupts the wait)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        note_r, note_w = note_pipe()
+        try:
+            with self._lock:
+                if not self.alive:
+                    raise RuntimeError("fastload: the fork server is gone")
+                socket.send_fds(self._ctl, [ZYGOTE_REQ], [theirs.fileno(), note_w])
+                theirs.close()
+                os.close(note_w)
+                note_w = -1
+                pid = self._read_until_started()
+        except BaseException:
+            mine.close()
+            theirs.close()
+            os.close(note_r)
+            if note_w >= 0:
+                os.close(note_w)
+            raise
+        zygote = Zygote.__new__(Zygote)
+        zygote._adopt(self.hide_accelerators, mine, Child(pid, note_r, zygote=self), self)
+        return zygote
 
     @property
     def pid(self) -> Optional[int]:
         """Its pid while it runs; None once it was stopped."""
-        return self._popen.pid if self.alive else None
+        return self._proc.pid if self.alive else None
 
     @property
     def launched_pid(self) -> int:
         """Its pid, also after it is gone (for diagnostics)."""
-        return self._popen.pid
+        return self._proc.pid
 
     def gone(self) -> bool:
         """Whether the zygote has exited (or was stopped)."""
-        return not self.alive or self._popen.poll() is not None
+        return not self.alive or self._proc.exitcode is not None
 
     def get_start_method(self) -> str:
         return "zygote"
@@ -213,7 +247,7 @@ class Zygote:
         while True:
             msg = self._recv(None)
             if msg is None:
-                code = self._popen.poll()
+                code = self._proc.exitcode
                 raise RuntimeError(
                     "fastload: the zygote (the process workers are forked from) exited "
                     f"with code {code} before starting a worker; its stderr says why")
@@ -319,6 +353,9 @@ class Zygote:
                 self._ctl.close()
             except OSError:
                 pass
-        self._popen.kill()  # it may still be importing torch: no need to wait for that
-        self._popen.wait()
+        self._proc.kill()  # it may still be importing torch: no need to wait for that
+        if self.server is None:
+            self._proc.join()  # our child: reap it
+        # else its parent, the fork server, reaps it
+        self._proc.close()
 

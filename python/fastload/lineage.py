@@ -1,7 +1,10 @@
-"""Where a pool's workers come from: the start method, and the zygotes.
+"""Where a pool's workers come from: the start method, the fork server, the zygotes.
 
 ``multiprocessing_context=None`` (the default) means workers forked from a
-zygote of the pool's own (:class:`fastload.launch.Zygote`); an explicit
+zygote of the pool's own (:class:`fastload.launch.Zygote`), itself forked
+in milliseconds from the training process's *fork server*: one fresh
+interpreter that imports torch once (:func:`fork_server`), so that only the
+first loader of a training process waits for torch's import. An explicit
 ``'spawn'`` is real spawn, and ``'fork'`` forks this process, as DataLoader
 does. A :class:`Lineage` is the zygote side of one pool: the zygotes it has
 started (one is replaced when it dies, gets stuck unpickling a session, or
@@ -12,9 +15,12 @@ instead of each unpickling a copy (docs/design.md, "Warm workers").
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
-from typing import Any, List, Optional
+import os
+import threading
+from typing import Any, Dict, List, Optional
 
 from . import crossing, launch
 from .launch import Zygote
@@ -45,9 +51,130 @@ def launcher_of(ctx: Any) -> Optional[str]:
     return None
 
 
+class _ForkServers:
+    """The fork servers of this process, one per accelerator setting, and
+    the leases that keep them running.
+
+    A server is started by the first lease (a loader's construction,
+    ``fastload.install()``), in the background: it imports torch while the
+    script goes on. It stops when the last lease is released (the last
+    loader is gone), so that no process outlives the loaders; a zygote
+    needed with no lease held (a pool outliving its loader) starts one that
+    stops with the next release or at exit. The server's environment hides
+    the accelerators or not, as the pools forked from it need; their
+    sessions set the rest of the training process's environment.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: Dict[bool, Zygote] = {}
+        self._leases: Dict[bool, int] = {}
+        self._owner_pid = os.getpid()
+
+    def _mine(self) -> None:
+        """In a process forked from the owner: forget the owner's servers
+        (their sockets are the owner's), never stop them."""
+        if os.getpid() != self._owner_pid:
+            self._servers, self._leases, self._owner_pid = {}, {}, os.getpid()
+
+    def server(self, hide_accelerators: bool) -> Zygote:
+        """The live server for this setting; a new one if there is none, or
+        it is gone (killed, say by the OOM killer)."""
+        with self._lock:
+            self._mine()
+            server = self._servers.get(hide_accelerators)
+            if server is None or server.gone():
+                if server is not None:
+                    log.warning("fastload: the fork server is gone; starting a new one")
+                    server.stop()
+                server = self._servers[hide_accelerators] = Zygote(
+                    hide_accelerators, env=hidden_env(hide_accelerators))
+            return server
+
+    def lease(self, hide_accelerators: bool) -> "ServerLease":
+        lease = ServerLease(self, hide_accelerators)
+        with self._lock:
+            self._mine()
+            self._leases[hide_accelerators] = self._leases.get(hide_accelerators, 0) + 1
+        self.server(hide_accelerators)
+        return lease
+
+    def release(self, hide_accelerators: bool, owner_pid: int) -> None:
+        with self._lock:
+            if os.getpid() != owner_pid or os.getpid() != self._owner_pid:
+                return  # a lease copied into a forked child: the parent's
+            left = self._leases.get(hide_accelerators, 0) - 1
+            self._leases[hide_accelerators] = max(left, 0)
+            stopping = [self._servers.pop(hide_accelerators)] if (
+                left <= 0 and hide_accelerators in self._servers) else []
+        for server in stopping:
+            server.stop()
+
+    def stop_all(self) -> None:
+        """Stop every server (at exit)."""
+        with self._lock:
+            if os.getpid() != self._owner_pid:
+                return
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.stop()
+
+    def pids(self) -> List[int]:
+        with self._lock:
+            if os.getpid() != self._owner_pid:
+                return []
+            return [s.pid for s in self._servers.values() if s.pid is not None]
+
+
+class ServerLease:
+    """Keeps a fork server running until :meth:`release` (idempotent)."""
+
+    def __init__(self, servers: _ForkServers, hide_accelerators: bool) -> None:
+        self._servers = servers
+        self._hide = hide_accelerators
+        self._pid = os.getpid()
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._servers.release(self._hide, self._pid)
+
+
+# The process's fork servers: shared by every loader, by design (one
+# interpreter importing torch per training process, docs/design.md).
+_FORK_SERVERS = _ForkServers()
+atexit.register(_FORK_SERVERS.stop_all)
+
+
+def lease_fork_server(hide_accelerators: bool) -> ServerLease:
+    """Start the fork server for this setting if it is not running, and keep
+    it running until the lease is released."""
+    return _FORK_SERVERS.lease(hide_accelerators)
+
+
+def fork_server(hide_accelerators: bool) -> Zygote:
+    """The running fork server for this setting (started if needed)."""
+    return _FORK_SERVERS.server(hide_accelerators)
+
+
+def fork_server_pids() -> List[int]:
+    """The pids of this process's running fork servers (for diagnostics)."""
+    return _FORK_SERVERS.pids()
+
+
 def start_zygote(hide_accelerators: bool) -> Zygote:
-    """A zygote launched now, in the background (see launch.Zygote)."""
-    return Zygote(hide_accelerators, env=hidden_env(hide_accelerators))
+    """A zygote for one pool, forked from the fork server (see launch.Zygote):
+    milliseconds once the server is ready. If the server cannot fork it (it
+    died just now), a new server is started and asked once more."""
+    try:
+        return fork_server(hide_accelerators).fork_zygote()
+    except RuntimeError:
+        return fork_server(hide_accelerators).fork_zygote()
 
 
 class Lineage:
@@ -62,6 +189,9 @@ class Lineage:
     def __init__(self, num_workers: int, hide_accelerators: bool,
                  zygote: Optional[Zygote] = None) -> None:
         self._hide = hide_accelerators
+        # The pool keeps the fork server running while it may need a zygote
+        # from it (released by the pool's teardown, fastload.teardown).
+        self.lease = lease_fork_server(hide_accelerators)
         # Every zygote started for the pool, oldest first; the last is current.
         self.zygotes: List[Zygote] = [zygote if zygote is not None
                                       else start_zygote(hide_accelerators)]

@@ -26,7 +26,7 @@ from . import capture, resume, resume_format
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
 from .pinning import DeviceRuntime
-from .warm import LoaderOptions, LoaderState, stop_spare_zygotes
+from .warm import LoaderOptions, LoaderState, release_lease
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR"]
 
@@ -166,9 +166,9 @@ class FastLoader(DataLoader[T_co]):
             in_order=in_order,
         )
         if self.num_workers > 0 and self.multiprocessing_context is None:
-            # Whoever takes the zygote (the first pool) owns it; else it ends with us.
-            self._fastload_state.start_spare_zygote()
-            weakref.finalize(self, stop_spare_zygotes, self._fastload_state.spare_zygotes)
+            # The fork server runs (and imports torch) while the script goes
+            # on; it stops when the last loader is gone.
+            weakref.finalize(self, release_lease, self._fastload_state.lease_fork_server())
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         state = self._fastload_state

@@ -83,8 +83,8 @@ class WorkerPool:
         # fastload.pinning.PinnedRing when batches are pinned in place; leases
         # handed out keep it alive past the pool.
         self._pinner: Optional[Any] = None
-        # The default: workers forked from this pool's own zygote (one the
-        # loader started ahead, or a new one).
+        # The default: workers forked from this pool's own zygote, itself
+        # forked from the training process's fork server.
         self._launcher = launcher_of(ctx)
         # The session objects themselves, for workers forked from this
         # process (what only fork can hand over). Such a pool serves one
@@ -101,7 +101,8 @@ class WorkerPool:
             zygote.stop()
         self._finalizer = weakref.finalize(
             self, stop_pool, self.ring, self.procs, self._socks, self._overflow_fds, self._stack_fds,
-            self.lineage.zygotes if self.lineage is not None else [], os.getpid())
+            self.lineage.zygotes if self.lineage is not None else [], os.getpid(),
+            leases=[self.lineage.lease] if self.lineage is not None else [])
         self._ctx = ctx
         self._hide = hide_accelerators
         # A zygote pool's workers once its iterator handed it back (retire):

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import socket
 import time
-from typing import Dict, List
+from typing import Any, Dict, List, Sequence
 
 from . import _core, launch
 from .deaths import exited_unseen
@@ -26,7 +26,8 @@ log = logging.getLogger("fastload")
 
 def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
           socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0) -> None:
+          zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0,
+          leases: Sequence[Any] = ()) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit.
 
     In a process forked from the owner (which inherited the pool object and
@@ -72,6 +73,11 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
     for zygote in zygotes:  # after its workers
         try:
             zygote.stop()
+        except Exception:  # pragma: no cover
+            pass
+    for lease in leases:  # on the fork server the zygotes came from
+        try:
+            lease.release()
         except Exception:  # pragma: no cover
             pass
     for p in procs:

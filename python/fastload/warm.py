@@ -1,14 +1,15 @@
-"""What a loader keeps between its iterators: a warm pool, a spare zygote,
-and the batch size it learned.
+"""What a loader keeps between its iterators: a warm pool, its lease on the
+fork server, and the batch size it learned.
 
-Starting workers costs seconds (a new interpreter importing torch). A
-loader therefore keeps its pool after an epoch (``reuse_workers``) and the
-next iterator starts a new *session* on it: fresh workers forked from the
-pool's warm zygote, which has unpickled the new session's dataset (spawned
-workers are kept and sent it), seeded as DataLoader's fresh workers would
-be. The zygote a loader starts at construction waits here until the first
-pool takes it. Slots are sized
-from the largest batch seen, so a second epoch gets slots that fit.
+Starting workers costs seconds (a new interpreter importing torch). The
+training process pays it once: a loader takes a lease on the process's fork
+server at construction (it starts, importing torch, while the script builds
+its model) and every pool's zygote is forked from it in milliseconds. A
+loader also keeps its pool after an epoch (``reuse_workers``) and the next
+iterator starts a new *session* on it: fresh workers forked from the pool's
+zygote, which has unpickled the new session's dataset (spawned workers are
+kept and sent it), seeded as DataLoader's fresh workers would be. Slots are
+sized from the largest batch seen, so a second epoch gets slots that fit.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import torch
 
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
-from .launch import Zygote
 from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .lineage import ZYGOTE, start_zygote
+from .lineage import ServerLease, lease_fork_server
 from .pool import WorkerPool
 
 _MIN_SLOT_BYTES = 1 << 20
@@ -86,7 +86,7 @@ class LoaderState:
         self.learned_batch_bytes = 0
         self.recent_batch_bytes: Deque[int] = collections.deque(maxlen=64)
         self.idle_pool: Optional[WorkerPool] = None
-        self.spare_zygotes: List[Zygote] = []
+        self.server_lease: Optional[ServerLease] = None  # see lease_fork_server
         self.warned_fork = False  # said that its workers fork from this process
         self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
@@ -163,23 +163,18 @@ class LoaderState:
             pool = self._take_idle_pool(config)
             if pool is not None:
                 return pool
-        zygote = self.take_spare_zygote(hide) if ctx == ZYGOTE else None
         return WorkerPool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
                           slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
-                          zygote=zygote, inherited=inherited)
+                          inherited=inherited)
 
-    def take_spare_zygote(self, hide_accelerators: bool) -> Optional[Zygote]:
-        while self.spare_zygotes:
-            zygote = self.spare_zygotes.pop()
-            if zygote.hide_accelerators == hide_accelerators:
-                return zygote
-            zygote.stop()
-        return None
-
-    def start_spare_zygote(self) -> None:
-        """Start the zygote now: it imports torch while the script builds its
-        model, so the first epoch's workers fork from a ready one."""
-        self.spare_zygotes.append(start_zygote(not self.options.allow_gpu_in_workers))
+    def lease_fork_server(self) -> ServerLease:
+        """Keep the fork server running for this loader (started now if it
+        is not: it imports torch while the script builds its model, so the
+        first epoch's workers fork from a ready one). The caller releases
+        the lease when the loader is gone (:func:`release_lease`)."""
+        if self.server_lease is None:
+            self.server_lease = lease_fork_server(not self.options.allow_gpu_in_workers)
+        return self.server_lease
 
     def _take_idle_pool(self, config: tuple) -> Optional[WorkerPool]:
         pool, self.idle_pool = self.idle_pool, None
@@ -200,6 +195,6 @@ class LoaderState:
             pool.shutdown()
 
 
-def stop_spare_zygotes(spare: List[Zygote]) -> None:
-    while spare:
-        spare.pop().stop()
+def release_lease(lease: ServerLease) -> None:
+    """A loader is gone: its lease on the fork server ends."""
+    lease.release()

@@ -20,13 +20,25 @@ are defined here:
   ``(b"p", token, 0)`` as it starts unpickling (the main side's time limit
   starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
   why, as text of at most :data:`WHY_MAX` bytes.
+* **Zygote** (main → fork server): :data:`ZYGOTE_REQ` with, by
+  ``SCM_RIGHTS``, one end of a new control socket and a death-note write
+  end. The server forks; the child drops the server's sockets and serves
+  the new socket as a zygote of its own (it shares everything the server
+  imported, and holds no session); the server answers :data:`STARTED`
+  with its pid, and reports its exit like a worker's.
 * **Forget** (main → zygote): :data:`FORGET_REQ`. The pool's workers are
   retired: the zygote drops the session it holds (the next session sends
   one anew). No answer.
 * **Exit report** (zygote → main, at any time): :data:`EXITED` ``(b"X",
   pid, exit code)`` when a worker it forked has exited and been reaped.
 * The main process closing the socket (it stopped the zygote, or died):
-  the zygote kills and reaps its workers and exits.
+  the zygote kills and reaps its workers and exits. Zygotes it forked are
+  left alone: each ends when its own control socket closes.
+
+One spawned interpreter is the *fork server* of the training process
+(:func:`fastload.lineage.fork_server`): it imports torch once, and every
+pool's zygote is forked from it, so a second, third, tenth loader starts
+its workers in milliseconds instead of importing torch again.
 
 A preloaded session is held in this module (:func:`preloaded` reads it in
 a forked worker) and shared copy-on-write with the workers forked after it;
@@ -47,12 +59,12 @@ import socket
 import struct
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 from . import crossing
 from .boot import run
 
-__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST"]
+__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST", "ZYGOTE_REQ"]
 
 # Messages on the control socket (see the module docstring).
 STARTED = struct.Struct("<ci")  # b"S", pid
@@ -62,6 +74,7 @@ PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
 PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
 UNPICKLING = b"p"  # PRELOAD's shape: the zygote has begun unpickling session token
 FORGET_REQ = b"F"  # drop the session held
+ZYGOTE_REQ = b"Z"  # fork a zygote serving a control socket of its own
 WHY_MAX = 1000
 
 # Outcomes of a preload (fastload.launch.Zygote.preload).
@@ -176,28 +189,34 @@ def serve(header: Dict[str, Any]) -> None:
     """The zygote's loop (in the zygote process): answer requests until the
     main process closes the control socket."""
     _prepare(header)
-    ctl = socket.socket(fileno=header["ctl"])
-    children: Dict[int, int] = {}  # pidfd -> pid
+    _serve(socket.socket(fileno=header["ctl"]))
+
+
+def _serve(ctl: socket.socket) -> None:
+    children: Dict[int, int] = {}  # pidfd -> pid, workers and zygotes
+    zygotes: Set[int] = set()  # the pids of zygotes forked from this one
     while True:
         ready, _w, _x = select.select([ctl, *children], [], [])
         for fd in ready:
             if fd is not ctl:
-                _report_exit(ctl, children, fd)
+                zygotes.discard(_report_exit(ctl, children, fd))
                 continue
             try:
                 msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 20, MAX_FDS + 3)
             except OSError:
                 msg, fds = b"", []
             if not msg:  # the training process stopped us, or died
-                _end_children(children)
+                _end_children({pfd: pid for pfd, pid in children.items() if pid not in zygotes})
                 ctl.close()
                 return
             if msg[:1] == PRELOAD_REQ:
                 _answer_preload(ctl, msg, fds)
             elif msg == FORGET_REQ:
                 _forget()
+            elif msg == ZYGOTE_REQ:
+                zygotes.add(_fork(ctl, fds, children, _be_zygote, msg))
             else:
-                _fork_worker(ctl, msg, fds, children)
+                _fork(ctl, fds, children, _be_worker, msg)
 
 
 def _prepare(header: Dict[str, Any]) -> None:
@@ -242,16 +261,40 @@ def _send(ctl: socket.socket, data: bytes) -> None:
         pass
 
 
-def _fork_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> None:
-    """Fork the worker request ``msg`` asks for (``fds``: its death note's
-    write end, then its parcel's fds) and tell the main process its pid."""
+def _fork(ctl: socket.socket, fds: List[int], children: Dict[int, int],
+          be: Callable[[socket.socket, bytes, List[int], Dict[int, int]], NoReturn],
+          msg: bytes) -> int:
+    """Fork the child request ``msg`` asks for (a worker, or a zygote: see
+    :func:`_be_worker`, :func:`_be_zygote`; ``fds`` are the child's), tell
+    the main process its pid, and return it."""
     pid = os.fork()
     if pid == 0:
-        _be_worker(ctl, msg, fds, children)
+        be(ctl, msg, fds, children)
     for f in fds:
         os.close(f)
     children[os.pidfd_open(pid)] = pid
     _send(ctl, STARTED.pack(b"S", pid))
+    return pid
+
+
+def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
+    """In a zygote forked from the fork server: drop the server's sockets and
+    children, then serve the control socket in ``fds[0]`` (``fds[1]``: a
+    death note it does not need); never returns."""
+    global _preloaded
+    code = 1
+    try:
+        ctl.close()
+        for pfd in children:
+            os.close(pfd)
+        os.close(fds[1])
+        _preloaded = None
+        _serve(socket.socket(fileno=fds[0]))
+        code = 0
+    except BaseException:  # noqa: BLE001 - shown on stderr; the main side sees the exit
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def _be_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
@@ -272,12 +315,14 @@ def _be_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[in
         os._exit(code)
 
 
-def _report_exit(ctl: socket.socket, children: Dict[int, int], pidfd: int) -> None:
-    """Reap the worker whose pidfd turned readable and report its exit code."""
+def _report_exit(ctl: socket.socket, children: Dict[int, int], pidfd: int) -> int:
+    """Reap the child whose pidfd turned readable, report its exit code and
+    return its pid."""
     pid = children.pop(pidfd)
     os.close(pidfd)
     _pid, status = os.waitpid(pid, 0)
     _send(ctl, EXITED.pack(b"X", pid, os.waitstatus_to_exitcode(status)))
+    return pid
 
 
 def _end_children(children: Dict[int, int]) -> None:

@@ -422,12 +422,24 @@ class Chatty(Dataset):
 # datasets whose unpickling does something (in the zygote that preloads them)
 
 
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 class UnpicklesWith(Dataset):
     """``dataset[i] == tensor([i, u])``, ``u`` 1 when this process unpickled
     the dataset itself, 0 when it inherited it (from a zygote that did).
 
-    Unpickling does ``how`` in the zygote, i.e. in a process whose parent is
-    the one that pickled it (``everywhere``: in workers too): ``"thread"``
+    Unpickling does ``how`` in the zygote, i.e. in a process whose parent
+    or grandparent is the one that pickled it (a zygote is forked from the
+    fork server, a child of the training process; a spawned worker is the
+    training process's child; a worker forked from a zygote is neither)
+    (``everywhere``: in every worker too): ``"thread"``
     starts a thread that lives on, ``"file"`` opens this file and keeps it,
     ``"sleep"`` sleeps ``seconds``, ``"raise"`` raises ValueError, ``""``
     nothing.
@@ -449,7 +461,7 @@ class UnpicklesWith(Dataset):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.unpickled_in = os.getpid()
-        if not self.everywhere and os.getppid() != self.owner:
+        if not self.everywhere and self.owner not in (os.getppid(), _parent_of(os.getppid())):
             return
         if self.how == "thread":
             self.kept = threading.Thread(target=time.sleep, args=(3600,), daemon=True)
