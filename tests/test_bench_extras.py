@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from fastload.bench import copy_on_read, first_epoch, h2d
+from fastload.bench import copy_on_read, first_epoch, first_minutes, h2d
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:This DataLoader will create .* worker processes in total")
@@ -65,3 +65,19 @@ def test_host_to_device_without_a_device_says_so_and_measures_nothing():
     assert _extras(a, b) == {}
     assert b.skipped["h2d"] == "needs a CUDA or ROCm device"
     assert h2d.main([]) == 2
+
+
+@pytest.mark.slow
+def test_first_minutes_times_every_loader_and_a_second_loader_starts_warm():
+    """Every measure for every loader; a second loader's first batch comes
+    from the running fork server, far sooner than spawn's fresh interpreters
+    (a ratio in one run, not a time)."""
+    res = first_minutes.measure_first_minutes(rounds=1, workers=2, build_s=0.1)
+    assert res["measures"] == list(first_minutes.MEASURES)
+    for what in first_minutes.MEASURES:
+        assert set(res["median"][what]) == set(first_minutes.MODES)
+        assert all(v > 0 for v in res["median"][what].values()), (what, res["median"][what])
+    second = res["median"]["second"]
+    assert second["fastload"] < 0.5 * second["spawn"], second
+    text = first_minutes.report_lines(res)
+    assert all(first_minutes.LABELS[w] in text for w in first_minutes.MEASURES)

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from fastload import FastLoader
 from fastload.debug import debug_view
+from fastload.warm import loader_modules
 from support import NW
 from support.datasets import ACCEL_VARS, EnvProbe, Plain
 from support.faults import Misbehave, UnpicklesWith
@@ -357,3 +359,52 @@ def test_a_zygote_stuck_unpickling_is_replaced(caplog):
     assert len(zygotes) == 2 and not pid_alive(zygotes[0])
     assert _inherited_flags(list(it)) == (list(range(8)), {1})
     assert [r for r in caplog.records if "did not unpickle the session within" in r.getMessage()]
+
+
+def test_the_loader_s_modules_are_imported_ahead_by_its_first_zygote(tmp_path, monkeypatch):
+    """At construction the loader forks its first pool's zygote from the fork
+    server and has it import the module defining the dataset (slow to
+    import here), while the script goes on: the pool takes that zygote, and
+    neither the session it preloads nor the workers import the module again.
+    Once that session is preloaded, the fork server imports the module too."""
+    monkeypatch.setenv("FASTLOAD_TEST_IMPORT_MARKS", str(tmp_path))
+    import support.heavy_module as heavy  # this process's own import, marked too
+
+    loader = FastLoader(heavy.SlowToImport(8), batch_size=2, num_workers=NW)
+    spare = loader._fastload_state.spare_zygote
+    assert spare is not None
+    deadline = time.monotonic() + 60
+    while spare.pid not in heavy.marks(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # imported before iter() is called
+    assert heavy.marks(str(tmp_path)) == {os.getpid(), spare.pid}
+    it = iter(loader)
+    view = debug_view(it).pool
+    assert view.zygote_pid == spare.pid and view.preloaded
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # The workers inherited it. The session preloaded without harm, so the
+    # fork server imports it too, for the zygotes of later pools.
+    server = debug_view(loader).fork_server_pid
+    deadline = time.monotonic() + 60
+    while server not in heavy.marks(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert heavy.marks(str(tmp_path)) == {os.getpid(), spare.pid, server}
+    assert loader_modules(heavy.SlowToImport(1), None, print) == ["support.heavy_module"]
+
+
+def test_a_zygote_tainted_by_importing_the_loader_s_modules_is_replaced(caplog):
+    """A module that starts a thread at import makes the zygote that
+    imported it unsafe to fork from: the first pool replaces it, and its
+    workers unpickle the dataset themselves, as when unpickling the dataset
+    starts a thread."""
+    from support.thread_at_import import StartsAThread
+
+    loader = FastLoader(StartsAThread(8), batch_size=2, num_workers=NW)
+    spare = loader._fastload_state.spare_zygote
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        it = iter(loader)
+        view = debug_view(it).pool
+        assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert spare.launched_pid in view.zygote_pids and view.zygote_pid != spare.launched_pid
+    assert not view.preloaded
+    assert any("importing the loader's modules started threads" in r.getMessage()
+               for r in caplog.records)

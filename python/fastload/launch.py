@@ -51,13 +51,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import crossing
 from .child import Child, note_pipe
 from .crossing import memfd_of
 from .zygote import (DECLINED, EXITED, FORGET_REQ, LOST, MAX_FDS, PRELOAD, PRELOAD_REQ,
-                     PRELOADED, STARTED, TAINTED, UNPICKLING, WHY_MAX, ZYGOTE_REQ)
+                     PRELOADED, STARTED, TAINTED, UNPICKLING, ZYGOTE_REQ, IMPORT_REQ,
+                     MODULES, MODULES_MAX)
 
 __all__ = ["Child", "Zygote", "spawn", "memfd_of", "ZYGOTE_PRELOAD",
            "PRELOADED", "DECLINED", "TAINTED", "LOST"]
@@ -165,21 +166,49 @@ class Zygote:
             f.write(header)
         self._adopt(hide_accelerators, mine, Child(popen.pid, note_r, popen=popen), None)
 
-    def _adopt(self, hide_accelerators: bool, ctl: socket.socket, proc: Child,
-               server: Optional["Zygote"]) -> None:
+    def _adopt(self, hide_accelerators: bool, ctl: socket.socket, proc: Optional[Child],
+               server: Optional["Zygote"], pending: Optional[Tuple[int, int]] = None) -> None:
         self.hide_accelerators = hide_accelerators  # how its environment was set at start
         self._owner_pid = os.getpid()  # a forked copy of this object must not stop it
         self._lock = threading.Lock()
         self._exited: Dict[int, int] = {}
         self.alive = True
         self._ctl = ctl
-        self._proc = proc
+        self._proc_handle = proc
+        # Forked on a request whose answer was not read yet: (ticket, note fd).
+        self._pending = pending
         self.server = server  # the zygote this one was forked from, if any
+        # The modules its last preload imported (fastload.zygote's MODULES).
+        self.session_imports: List[str] = []
+        # Requests answered by STARTED are numbered (tickets) in the order
+        # sent; answers come in that order and are filed by ticket, so a
+        # request may be sent before an earlier one's answer is read.
+        self._sent = 0
+        self._answered = 0
+        self._started: Dict[int, int] = {}
 
-    def fork_zygote(self) -> "Zygote":
+    @property
+    def _proc(self) -> Child:
+        """The zygote's process; for one forked on a request sent earlier,
+        read from its server's answer now (waiting for the server if it is
+        still importing torch)."""
+        if self._proc_handle is None:
+            assert self.server is not None and self._pending is not None
+            ticket, note_r = self._pending
+            server = self.server
+            with server._lock:
+                pid = server._read_until_started(ticket)
+            self._pending = None
+            self._proc_handle = Child(pid, note_r, zygote=server)
+        return self._proc_handle
+
+    def fork_zygote(self, wait: bool = True) -> "Zygote":
         """A new zygote forked from this one: it shares the modules this one
         imported and holds no session; its parent (this one) reaps it.
-        Waits for this one to be ready (Ctrl-C interrupts the wait)."""
+        Requests may be sent to it at once (its control socket holds them
+        until it runs). ``wait``: wait for this one to fork it (which waits
+        for this one to be ready, Ctrl-C interrupting the wait); else the
+        answer is read when its pid is first needed."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         note_r, note_w = note_pipe()
         try:
@@ -187,10 +216,11 @@ class Zygote:
                 if not self.alive:
                     raise RuntimeError("fastload: the fork server is gone")
                 socket.send_fds(self._ctl, [ZYGOTE_REQ], [theirs.fileno(), note_w])
+                ticket = self._sent
+                self._sent += 1
                 theirs.close()
                 os.close(note_w)
                 note_w = -1
-                pid = self._read_until_started()
         except BaseException:
             mine.close()
             theirs.close()
@@ -199,8 +229,28 @@ class Zygote:
                 os.close(note_w)
             raise
         zygote = Zygote.__new__(Zygote)
-        zygote._adopt(self.hide_accelerators, mine, Child(pid, note_r, zygote=self), self)
+        zygote._adopt(self.hide_accelerators, mine, None, self, (ticket, note_r))
+        if wait:
+            try:
+                zygote._proc
+            except BaseException:
+                zygote.stop()
+                raise
         return zygote
+
+    def warm_imports(self, modules: Sequence[str]) -> None:
+        """Have the zygote import ``modules`` now, in the background (see
+        fastload.zygote's IMPORT_REQ); no answer is read."""
+        if not modules:
+            return
+        msg = IMPORT_REQ + pickle.dumps({"sys_path": list(sys.path), "modules": list(modules)},
+                                        protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if self.alive and os.getpid() == self._owner_pid:
+                try:
+                    self._ctl.send(msg)
+                except OSError:
+                    pass  # gone: whoever uses it next finds out
 
     @property
     def pid(self) -> Optional[int]:
@@ -213,8 +263,12 @@ class Zygote:
         return self._proc.pid
 
     def gone(self) -> bool:
-        """Whether the zygote has exited (or was stopped)."""
-        return not self.alive or self._proc.exitcode is not None
+        """Whether the zygote has exited (or was stopped, or its server died
+        before forking it)."""
+        try:
+            return not self.alive or self._proc.exitcode is not None
+        except RuntimeError:
+            return True
 
     def get_start_method(self) -> str:
         return "zygote"
@@ -233,9 +287,11 @@ class Zygote:
                 if not self.alive:
                     raise RuntimeError("fastload: the zygote is gone")
                 socket.send_fds(self._ctl, [header], fds)
+                ticket = self._sent
+                self._sent += 1
                 os.close(note_w)
                 note_w = -1
-                pid = self._read_until_started()
+                pid = self._read_until_started(ticket)
         except BaseException:
             os.close(note_r)
             if note_w >= 0:
@@ -243,16 +299,17 @@ class Zygote:
             raise
         return Child(pid, note_r, zygote=self)
 
-    def _read_until_started(self) -> int:
-        while True:
+    def _read_until_started(self, ticket: int) -> int:
+        """The pid the answer to request ``ticket`` carries (caller holds the lock)."""
+        while ticket not in self._started:
             msg = self._recv(None)
             if msg is None:
                 code = self._proc.exitcode
                 raise RuntimeError(
                     "fastload: the zygote (the process workers are forked from) exited "
-                    f"with code {code} before starting a worker; its stderr says why")
-            if msg[:1] == b"S":
-                return STARTED.unpack(msg)[1]
+                    f"with code {code} before starting a process it was asked for; its "
+                    "stderr says why")
+        return self._started.pop(ticket)
 
     def preload(self, parcel: crossing.Parcel, token: int,
                 timeout: Optional[float] = None) -> Tuple[int, str]:
@@ -288,6 +345,9 @@ class Zygote:
                         return LOST, "the zygote exited while unpickling the session"
                     if msg == b"":
                         return LOST, f"the zygote did not unpickle the session within {timeout} s"
+                    if msg[:1] == MODULES:
+                        self.session_imports = pickle.loads(msg[1:])
+                        continue
                     if msg[:1] not in (PRELOAD_REQ, UNPICKLING):
                         continue  # an exit report
                     kind, got, outcome = PRELOAD.unpack_from(msg)
@@ -311,12 +371,12 @@ class Zygote:
                     pass  # gone: whoever forks from it next finds out
 
     def _recv(self, timeout: Optional[float]) -> Optional[bytes]:
-        """One message (exit reports are filed on the way); None when the
+        """One message (exit reports and start answers are filed on the way); None when the
         zygote is gone or nothing came within ``timeout``."""
         if timeout is not None and not select.select([self._ctl], [], [], timeout)[0]:
             return b""
         try:
-            msg = self._ctl.recv(PRELOAD.size + WHY_MAX)
+            msg = self._ctl.recv(MODULES_MAX)
         except (ConnectionResetError, OSError):
             msg = b""
         if not msg:
@@ -325,6 +385,9 @@ class Zygote:
         if msg[:1] == b"X":
             _x, pid, code = EXITED.unpack(msg)
             self._exited[pid] = code
+        elif msg[:1] == b"S":  # filed by ticket, whoever reads it (see _read_until_started)
+            self._started[self._answered] = STARTED.unpack(msg)[1]
+            self._answered += 1
         return msg
 
     def exit_code(self, pid: int, wait: float = 0.0) -> Optional[int]:
@@ -353,6 +416,14 @@ class Zygote:
                 self._ctl.close()
             except OSError:
                 pass
+        if self._proc_handle is None:
+            # Its server has not answered yet (it may still be importing
+            # torch): the zygote, once forked, finds its socket closed and
+            # exits; the server reaps it.
+            if self._pending is not None:
+                os.close(self._pending[1])
+                self._pending = None
+            return
         self._proc.kill()  # it may still be importing torch: no need to wait for that
         if self.server is None:
             self._proc.join()  # our child: reap it

@@ -201,6 +201,7 @@ class Lineage:
         self._forked_with: List[Optional[int]] = [None] * num_workers
         self._ok = True  # False once a session of this pool could not be preloaded
 
+
     @property
     def current(self) -> Zygote:
         return self.zygotes[-1]
@@ -243,9 +244,15 @@ class Lineage:
         if not self._ok:
             return
         zygote = self._live()
+        zygote.session_imports = []
         outcome, why = zygote.preload(parcel, number, timeout)
         if outcome == launch.PRELOADED:
             self.preloaded, self._holder = number, zygote
+            if zygote.session_imports and zygote.server is not None:
+                # Imported without harm here: the fork server imports them
+                # too, so the zygotes of later pools (a validation loader, a
+                # loader a library rebuilds) need not.
+                zygote.server.warm_imports(zygote.session_imports)
             return
         # The dataset is the same next epoch: don't pay its unpickling in
         # the zygote again. Each worker unpickles its own copy.

@@ -26,7 +26,7 @@ from . import capture, resume, resume_format
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
 from .pinning import DeviceRuntime
-from .warm import LoaderOptions, LoaderState, release_lease
+from .warm import LoaderOptions, LoaderState, loader_modules, release_lease
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR"]
 
@@ -167,8 +167,14 @@ class FastLoader(DataLoader[T_co]):
         )
         if self.num_workers > 0 and self.multiprocessing_context is None:
             # The fork server runs (and imports torch) while the script goes
-            # on; it stops when the last loader is gone.
-            weakref.finalize(self, release_lease, self._fastload_state.lease_fork_server())
+            # on, and forks the first pool's zygote, which imports the
+            # loader's modules meanwhile. The zygote ends with the loader if
+            # no pool takes it; the server when the last loader is gone.
+            state = self._fastload_state
+            lease = state.lease_fork_server()
+            state.prepare_zygote(loader_modules(
+                dataset, self.sampler, self.batch_sampler, collate_fn, worker_init_fn))
+            weakref.finalize(self, release_lease, lease, state)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         state = self._fastload_state

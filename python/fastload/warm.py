@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import statistics
 from typing import Any, Deque, List, Optional, Tuple
@@ -24,9 +25,12 @@ import torch
 
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
+from .launch import Zygote
 from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .lineage import ServerLease, lease_fork_server
+from .lineage import ZYGOTE, ServerLease, fork_server, lease_fork_server
 from .pool import WorkerPool
+
+log = logging.getLogger("fastload")
 
 _MIN_SLOT_BYTES = 1 << 20
 _DEFAULT_SLOT_BYTES = 64 << 20  # memfd pages are only committed when written
@@ -87,6 +91,9 @@ class LoaderState:
         self.recent_batch_bytes: Deque[int] = collections.deque(maxlen=64)
         self.idle_pool: Optional[WorkerPool] = None
         self.server_lease: Optional[ServerLease] = None  # see lease_fork_server
+        # A zygote forked for this loader's first pool when the loader was
+        # built, importing the loader's modules meanwhile (prepare_zygote).
+        self.spare_zygote: Optional[Zygote] = None
         self.warned_fork = False  # said that its workers fork from this process
         self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
@@ -163,9 +170,30 @@ class LoaderState:
             pool = self._take_idle_pool(config)
             if pool is not None:
                 return pool
+        zygote, self.spare_zygote = self.spare_zygote, None
+        if zygote is not None and (ctx != ZYGOTE or zygote.hide_accelerators != hide):
+            zygote.stop()
+            zygote = None
         return WorkerPool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
                           slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
-                          inherited=inherited)
+                          zygote=zygote, inherited=inherited)
+
+    def prepare_zygote(self, modules: List[str]) -> Optional[Zygote]:
+        """Fork the first pool's zygote from the fork server now, without
+        waiting (the server may still be importing torch), and have it
+        import ``modules`` (those defining the loader's dataset, sampler,
+        ``collate_fn`` and ``worker_init_fn``) in the background, so that
+        the first ``iter()`` pays for neither. Returns it; the caller stops
+        it if the loader goes unused (:func:`stop_spare_zygote`)."""
+        if self.spare_zygote is None:
+            hide = not self.options.allow_gpu_in_workers
+            try:
+                self.spare_zygote = fork_server(hide).fork_zygote(wait=False)
+            except (OSError, RuntimeError) as e:  # the first pool forks its own then
+                log.debug("fastload: could not fork a zygote ahead: %s", e)
+                return None
+            self.spare_zygote.warm_imports(modules)
+        return self.spare_zygote
 
     def lease_fork_server(self) -> ServerLease:
         """Keep the fork server running for this loader (started now if it
@@ -195,6 +223,30 @@ class LoaderState:
             pool.shutdown()
 
 
-def release_lease(lease: ServerLease) -> None:
-    """A loader is gone: its lease on the fork server ends."""
+def release_lease(lease: ServerLease, state: Optional["LoaderState"] = None) -> None:
+    """A loader is gone: the zygote forked for it, if no pool took it, stops,
+    and its lease on the fork server ends."""
+    if state is not None:
+        zygote, state.spare_zygote = state.spare_zygote, None
+        if zygote is not None:
+            zygote.stop()
     lease.release()
+
+
+def loader_modules(*objects: Any) -> List[str]:
+    """The modules that define ``objects`` (a loader's dataset, sampler,
+    ``collate_fn``, ``worker_init_fn``...) or their classes, where they can
+    be imported by name: not the training script's (its objects travel by
+    value), not builtins, and not torch or fastload, which the fork server
+    has imported already."""
+    out: List[str] = []
+    for obj in objects:
+        if obj is None:
+            continue
+        for holder in (obj, type(obj)):
+            name = getattr(holder, "__module__", None)
+            if (isinstance(name, str) and name not in out and not name.startswith("__")
+                    and name not in ("builtins", "functools")
+                    and name.split(".")[0] not in ("torch", "fastload")):
+                out.append(name)
+    return out

@@ -26,6 +26,18 @@ are defined here:
   the new socket as a zygote of its own (it shares everything the server
   imported, and holds no session); the server answers :data:`STARTED`
   with its pid, and reports its exit like a worker's.
+* **Import** (main → zygote): :data:`IMPORT_REQ` and a pickle of
+  ``{sys_path, modules}``: the zygote imports those modules (the ones that
+  define a loader's dataset, ``collate_fn``, sampler and
+  ``worker_init_fn``), so that neither the session it preloads later nor
+  the workers it forks pay for them. No answer; an import that fails is
+  left for the session to meet and report. An import that leaves threads,
+  a GPU context or open files in the zygote makes it unsafe to fork from:
+  its next preload answers :data:`TAINTED`.
+  After a preload that imported modules without harm (PRELOADED), the
+  zygote first sends :data:`MODULES` and a pickle of the names unpickling
+  imported, in order: the main side has the fork server import them too
+  (**Import**), so that the zygotes of later pools have them already.
 * **Forget** (main → zygote): :data:`FORGET_REQ`. The pool's workers are
   retired: the zygote drops the session it holds (the next session sends
   one anew). No answer.
@@ -50,6 +62,8 @@ safe to fork from, so the main side replaces it.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import gc
 import os
 import pickle
@@ -59,12 +73,13 @@ import socket
 import struct
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple
 
 from . import crossing
 from .boot import run
 
-__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST", "ZYGOTE_REQ"]
+__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST", "ZYGOTE_REQ",
+           "IMPORT_REQ"]
 
 # Messages on the control socket (see the module docstring).
 STARTED = struct.Struct("<ci")  # b"S", pid
@@ -75,6 +90,7 @@ PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
 UNPICKLING = b"p"  # PRELOAD's shape: the zygote has begun unpickling session token
 FORGET_REQ = b"F"  # drop the session held
 ZYGOTE_REQ = b"Z"  # fork a zygote serving a control socket of its own
+IMPORT_REQ = b"I"  # import modules a loader's session will need
 WHY_MAX = 1000
 
 # Outcomes of a preload (fastload.launch.Zygote.preload).
@@ -87,6 +103,15 @@ LOST = 3  # the zygote died, or gave no answer in time (main side only)
 # In a zygote: the session it preloaded, (token, objects); inherited by the
 # workers it forks. None when it holds none.
 _preloaded: Optional[Tuple[int, Any]] = None
+# In a zygote: why it is no longer safe to fork from after an import request
+# ("" while it is), answered to its next preload.
+_import_taint = ""
+# In a zygote: the modules its last preload's unpickling imported (in order,
+# see _recording_imports), reported before the answer (MODULES) for the fork
+# server to import too.
+_session_imports: List[str] = []
+MODULES = b"M"  # zygote -> main, before a PRELOADED answer: a pickle of those modules
+MODULES_MAX = 1 << 20  # the largest message on the control socket
 
 
 def preloaded(token: int) -> Any:
@@ -159,6 +184,7 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
             os.close(fd)
         return DECLINED, f"reading the session failed: {e}"
     outcome, why = DECLINED, ""
+    imports: List[str] = []
     try:
         import multiprocessing
 
@@ -167,7 +193,8 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
         multiprocessing.current_process().authkey = head["authkey"]
         threads, before = _threads(), _fds()
         starting()
-        session = crossing.unpack(data, shared)  # closes the fds nobody took
+        with _recording_imports(imports):
+            session = crossing.unpack(data, shared)  # closes the fds nobody took
         del data
         why = _tainted_by(threads)
         if why:
@@ -182,7 +209,41 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
         del session
     except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
         outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
+    if outcome == PRELOADED:
+        global _session_imports
+        # All of them, those this zygote had already (imported ahead, see
+        # IMPORT_REQ) included: the fork server may not have them.
+        _session_imports = list(dict.fromkeys(imports))
     return outcome, why
+
+
+@contextlib.contextmanager
+def _recording_imports(out: List[str]) -> Iterator[None]:
+    """Record in ``out`` the modules imported directly (not by other
+    modules' imports) while the block runs, in order: what unpickling asks
+    ``__import__`` for. Imported in that order elsewhere (the fork server),
+    they run the same module code in the same order: importing every module
+    that ends up loaded, one by one, would not (a library that configures
+    another before importing it, as Ultralytics sets OpenCV's threads)."""
+    original = builtins.__import__
+    depth = 0
+
+    def recording(name: str, globals: Any = None, locals: Any = None,
+                  fromlist: Any = (), level: int = 0) -> Any:
+        nonlocal depth
+        if depth == 0 and level == 0:
+            out.append(name)
+        depth += 1
+        try:
+            return original(name, globals, locals, fromlist, level)
+        finally:
+            depth -= 1
+
+    builtins.__import__ = recording
+    try:
+        yield
+    finally:
+        builtins.__import__ = original
 
 
 def serve(header: Dict[str, Any]) -> None:
@@ -213,6 +274,8 @@ def _serve(ctl: socket.socket) -> None:
                 _answer_preload(ctl, msg, fds)
             elif msg == FORGET_REQ:
                 _forget()
+            elif msg[:1] == IMPORT_REQ:
+                _import(msg)
             elif msg == ZYGOTE_REQ:
                 zygotes.add(_fork(ctl, fds, children, _be_zygote, msg))
             else:
@@ -243,11 +306,42 @@ def _prepare(header: Dict[str, Any]) -> None:
     gc.disable()
 
 
+def _import(msg: bytes) -> None:
+    """Import the modules the request ``msg`` names (see IMPORT_REQ)."""
+    global _import_taint
+    head = pickle.loads(msg[1:])
+    sys.path[:] = head["sys_path"]
+    threads, before = _threads(), _fds()
+    for name in head["modules"]:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001 - the session meets it again and reports it
+            pass
+    why = _tainted_by(threads).replace("unpickling the session", "importing the loader's modules")
+    opened = _opened_since(before)
+    if opened and not why:  # workers forked from here would share the files' offsets
+        why = f"importing the loader's modules opened {', '.join(opened[:4])}"
+    if why and not _import_taint:
+        _import_taint = why
+
+
 def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
     """Preload the session request ``msg`` sends and answer with the outcome."""
     head = pickle.loads(msg[1:])
+    if _import_taint:
+        for fd in fds:
+            os.close(fd)
+        _send(ctl, PRELOAD.pack(b"P", head["token"], TAINTED) + _import_taint.encode()[:WHY_MAX])
+        return
     outcome, why = _preload(head, fds, lambda: _send(
         ctl, PRELOAD.pack(UNPICKLING, head["token"], 0)))
+    if outcome == PRELOADED and _session_imports:
+        names = list(_session_imports)
+        data = MODULES + pickle.dumps(names, protocol=pickle.HIGHEST_PROTOCOL)
+        while len(data) > MODULES_MAX:  # keep the first imported: they import the rest
+            names = names[: len(names) // 2]
+            data = MODULES + pickle.dumps(names, protocol=pickle.HIGHEST_PROTOCOL)
+        _send(ctl, data)
     _send(ctl, PRELOAD.pack(b"P", head["token"], outcome) + why.encode(errors="replace")[:WHY_MAX])
 
 
@@ -288,7 +382,7 @@ def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[in
         for pfd in children:
             os.close(pfd)
         os.close(fds[1])
-        _preloaded = None
+        _preloaded = None  # (an import taint of the server's is inherited, and told)
         _serve(socket.socket(fileno=fds[0]))
         code = 0
     except BaseException:  # noqa: BLE001 - shown on stderr; the main side sees the exit

@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import copy_on_read, first_epoch, h2d, measure, report, resume_cost
+from . import copy_on_read, first_epoch, first_minutes, h2d, measure, report, resume_cost
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
@@ -31,7 +31,7 @@ MAX_STEADY = 5
 # busy-looping process per core running beside each run.
 UNDER_LOAD = ("oversubscribed", "neighbour")
 # The tables after the main one (--extras); 'h2d' by default only with a GPU.
-EXTRAS = ("memory", "first-epoch", "h2d")
+EXTRAS = ("memory", "first-epoch", "first-minutes", "h2d")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,7 +79,10 @@ def parser() -> argparse.ArgumentParser:
                    help="tables after the main one, comma-separated: 'memory' (copy-on-read: the "
                         "workers' memory on a dataset of 1.5M Python strings, 4 workers, against "
                         "DataLoader fork and spawn), 'first-epoch' (a training-like script's first "
-                        "epoch), 'h2d' (host to device: the pinned ring against DataLoader's "
+                        "epoch), 'first-minutes' (the first batch of a loader built just before iter(), "
+                        "after a model build, with a slow-to-import dataset module, of a second "
+                        "loader, and short epochs; 8 workers, against DataLoader fork and spawn), "
+                        "'h2d' (host to device: the pinned ring against DataLoader's "
                         "pin_memory; needs a CUDA or ROCm device) or 'none' (default: all, 'h2d' "
                         "where a device is present; none with --quick or --dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
@@ -309,6 +312,10 @@ def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
         got["first_epoch"] = b.step(
             "first epoch after a model build",
             lambda: first_epoch.measure_first_epoch(rounds=a.rounds, workers=a.workers))
+    if "first-minutes" in a.extras:
+        got["first_minutes"] = b.step(
+            "first minutes: first batches and short epochs, 8 workers",
+            lambda: first_minutes.measure_first_minutes(rounds=a.rounds, workers=8))
     if "h2d" in a.extras:
         if h2d.cuda_present():
             got["h2d"] = b.step("host to device, pinned", lambda: h2d.measure_h2d(
@@ -366,6 +373,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
         out.write(copy_on_read.report_lines(extras["copy_on_read"]))
     if "first_epoch" in extras:
         out.write(first_epoch.report_lines(extras["first_epoch"]))
+    if "first_minutes" in extras:
+        out.write(first_minutes.report_lines(extras["first_minutes"]))
     if "h2d" in extras:
         out.write(h2d.report_lines(extras["h2d"]))
     return res

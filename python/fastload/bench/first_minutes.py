@@ -17,6 +17,9 @@ reported, and each loader's time over fork's and over spawn's:
 * ``after-build``: the loader built, then a model built for ``build_s``
   seconds (a real model build or checkpoint load), then ``iter()``: its
   first batch, timed from ``iter()``;
+* ``heavy-import``: as ``after-build``, with the dataset class defined in
+  a module of the user's that takes 1 s to import (as one importing a big
+  library does): fastload's zygote imports it while the model is built;
 * ``second``: a validation loader (4 workers) built after the training
   loader ran an epoch: its first batch, timed from construction;
 * ``short-epochs``: persistent workers, epochs of 16 batches of 64
@@ -62,12 +65,12 @@ SCRIPT = textwrap.dedent("""
             return torch.rand(3, 64, 64, generator=g), i % 10
 
 
-    def make(mode, n, workers, **kw):
+    def make(mode, n, workers, cls=Images, **kw):
         kw = dict(batch_size=64, num_workers=workers, **kw)
         if mode == "fastload":
             from fastload import FastLoader
-            return FastLoader(Images(n), **kw)
-        return DataLoader(Images(n), multiprocessing_context=mode, **kw)
+            return FastLoader(cls(n), **kw)
+        return DataLoader(cls(n), multiprocessing_context=mode, **kw)
 
 
     def first_batch(loader):
@@ -84,8 +87,12 @@ SCRIPT = textwrap.dedent("""
             loader = make(mode, 64 * 8, workers)
             it = first_batch(loader)
             out["s"] = time.perf_counter() - t0
-        elif what == "after-build":
-            loader = make(mode, 64 * 8, workers)
+        elif what in ("after-build", "heavy-import"):
+            if what == "heavy-import":
+                from heavymod import SlowImages  # the module takes 1 s to import
+                loader = make(mode, 64 * 8, workers, cls=SlowImages)
+            else:
+                loader = make(mode, 64 * 8, workers)
             t_build = time.perf_counter()
             layers = []
             while time.perf_counter() - t_build < build_s:
@@ -121,11 +128,32 @@ SCRIPT = textwrap.dedent("""
         main()
 """)
 
+HEAVY_MODULE = textwrap.dedent("""
+    import time
+    import torch
+    from torch.utils.data import Dataset
+
+    time.sleep(1.0)  # what importing a big library costs
+
+
+    class SlowImages(Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return torch.rand(3, 64, 64, generator=g), i % 10
+""")
+
 MODES = ("fork", "spawn", "fastload")
-MEASURES = ("cold", "after-build", "second", "short-epochs")
+MEASURES = ("cold", "after-build", "heavy-import", "second", "short-epochs")
 LABELS = {
     "cold": "built just before iter(): 1st batch from construction",
     "after-build": "built, model built, iter(): 1st batch from iter()",
+    "heavy-import": "the same, dataset's module takes 1 s to import",
     "second": "2nd loader (4 workers) after an epoch: 1st batch",
     "short-epochs": "persistent, 16-batch epochs: epoch time",
 }
@@ -139,6 +167,8 @@ def measure_first_minutes(rounds: int = 3, workers: int = 8, build_s: float = 2.
         script = os.path.join(tmp, "train.py")
         with open(script, "w") as f:
             f.write(SCRIPT)
+        with open(os.path.join(tmp, "heavymod.py"), "w") as f:
+            f.write(HEAVY_MODULE)
         for r in range(rounds):
             for what in measures:
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
