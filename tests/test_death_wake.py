@@ -268,7 +268,12 @@ def _stuck_pair(tmp_path, ctx, restarts: int):
     return ds, it, got
 
 
-@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+# The default start in the default group; spawn and fork in the slow one.
+_CTXS = [None, pytest.param("spawn", marks=pytest.mark.slow),
+         pytest.param("fork", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("ctx", _CTXS)
 @pytest.mark.parametrize("victim", [0, 1], ids=["stuck-behind", "stuck-ahead"])
 def test_a_killed_worker_beside_a_stuck_one_is_reported_at_once(tmp_path, alarm: None,
                                                                 ctx, victim: int) -> None:
@@ -295,7 +300,7 @@ def test_a_killed_worker_beside_a_stuck_one_is_reported_at_once(tmp_path, alarm:
         next(it)  # the iterator stays failed, as DataLoader's does
 
 
-@pytest.mark.parametrize("ctx", [None, "spawn", "fork"])
+@pytest.mark.parametrize("ctx", _CTXS)
 @pytest.mark.parametrize("victim", [0, 1], ids=["stuck-behind", "stuck-ahead"])
 def test_a_replacement_starts_while_the_other_worker_is_stuck(tmp_path, alarm: None,
                                                               ctx, victim: int) -> None:

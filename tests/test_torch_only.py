@@ -54,7 +54,8 @@ print("OK", len(held))
 """
 
 
-@pytest.mark.parametrize("ctx", ["default", "spawn", "fork"])
+@pytest.mark.parametrize("ctx", ["default", pytest.param("spawn", marks=pytest.mark.slow),
+                                 pytest.param("fork", marks=pytest.mark.slow)])
 def test_an_epoch_without_numpy_matches_dataloader(tmp_path: Path, ctx: str) -> None:
     hidden = tmp_path / "hide" / "numpy"
     hidden.mkdir(parents=True)
