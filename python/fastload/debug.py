@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from . import _core
 from .iterator import FastLoaderIter
-from .lineage import fork_server
+from .lineage import fork_server_pid as running_server_pid
 from .loader import STATE_ATTR
 from .pool import WorkerPool
 
@@ -207,7 +207,7 @@ def _loader_view(loader: DataLoader) -> LoaderView:
     return LoaderView(
         idle_pool=(_pool_view(state.idle_pool)
                    if state is not None and state.idle_pool is not None else None),
-        fork_server_pid=(fork_server(not state.options.allow_gpu_in_workers).pid
+        fork_server_pid=(running_server_pid(not state.options.allow_gpu_in_workers)
                          if state is not None and state.server_lease is not None
                          and state.server_lease.held else None),
         iterator=_iterator_view(it) if isinstance(it, FastLoaderIter) else None,

@@ -125,6 +125,12 @@ class _ForkServers:
                 return []
             return [s.pid for s in self._servers.values() if s.pid is not None]
 
+    def running_pid(self, hide_accelerators: bool) -> Optional[int]:
+        """The pid of the server for this setting, if one runs (none is started)."""
+        with self._lock:
+            server = self._servers.get(hide_accelerators) if os.getpid() == self._owner_pid else None
+            return server.pid if server is not None and not server.gone() else None
+
 
 class ServerLease:
     """Keeps a fork server running until :meth:`release` (idempotent)."""
@@ -165,6 +171,12 @@ def fork_server(hide_accelerators: bool) -> Zygote:
 def fork_server_pids() -> List[int]:
     """The pids of this process's running fork servers (for diagnostics)."""
     return _FORK_SERVERS.pids()
+
+
+def fork_server_pid(hide_accelerators: bool) -> Optional[int]:
+    """The pid of the running fork server for this setting, or None; starts
+    nothing (for diagnostics)."""
+    return _FORK_SERVERS.running_pid(hide_accelerators)
 
 
 def start_zygote(hide_accelerators: bool) -> Zygote:

@@ -45,12 +45,10 @@ import tempfile
 import textwrap
 from typing import Any, Dict, List, Optional
 
-SCRIPT = textwrap.dedent("""
-    import json, sys, time
-    t_script = time.perf_counter()
+# The dataset, in a module of its own (importable by name, as a user's is).
+IMAGES_MODULE = textwrap.dedent("""
     import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import Dataset
 
 
     class Images(Dataset):
@@ -63,6 +61,26 @@ SCRIPT = textwrap.dedent("""
         def __getitem__(self, i):
             g = torch.Generator().manual_seed(i)
             return torch.rand(3, 64, 64, generator=g), i % 10
+""")
+
+# The same dataset, defined in a module that takes 1 s to import.
+HEAVY_MODULE = textwrap.dedent("""
+    import time
+    from images import Images
+
+    time.sleep(1.0)  # what importing a big library costs
+
+
+    class SlowImages(Images):
+        pass
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json, statistics, sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+    from images import Images
 
 
     def make(mode, n, workers, cls=Images, **kw):
@@ -124,28 +142,7 @@ SCRIPT = textwrap.dedent("""
 
 
     if __name__ == "__main__":  # DataLoader's spawn re-imports this file in its workers
-        import statistics
         main()
-""")
-
-HEAVY_MODULE = textwrap.dedent("""
-    import time
-    import torch
-    from torch.utils.data import Dataset
-
-    time.sleep(1.0)  # what importing a big library costs
-
-
-    class SlowImages(Dataset):
-        def __init__(self, n):
-            self.n = n
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i)
-            return torch.rand(3, 64, 64, generator=g), i % 10
 """)
 
 MODES = ("fork", "spawn", "fastload")
@@ -167,8 +164,9 @@ def measure_first_minutes(rounds: int = 3, workers: int = 8, build_s: float = 2.
         script = os.path.join(tmp, "train.py")
         with open(script, "w") as f:
             f.write(SCRIPT)
-        with open(os.path.join(tmp, "heavymod.py"), "w") as f:
-            f.write(HEAVY_MODULE)
+        for name, text in (("images.py", IMAGES_MODULE), ("heavymod.py", HEAVY_MODULE)):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
         for r in range(rounds):
             for what in measures:
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
