@@ -299,9 +299,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             self._supervisor.check(needed)
         except WorkerLost as lost:
             self._fatal = str(lost.error)
-            # No grace period: the error is due now, and a live worker stuck
-            # in a sample would not see a stop until it came out of it.
-            self._shutdown_workers(wait=False)
+            self._shutdown_workers(wait=False)  # no grace: a stuck worker would not see a stop
             raise lost.error from None
 
     def _receive_one(self, deadline: Optional[float], needed: Optional[Record]) -> Record:

@@ -119,12 +119,6 @@ class _ForkServers:
         for server in servers:
             server.stop()
 
-    def pids(self) -> List[int]:
-        with self._lock:
-            if os.getpid() != self._owner_pid:
-                return []
-            return [s.pid for s in self._servers.values() if s.pid is not None]
-
     def running_pid(self, hide_accelerators: bool) -> Optional[int]:
         """The pid of the server for this setting, if one runs (none is started)."""
         with self._lock:
@@ -166,11 +160,6 @@ def lease_fork_server(hide_accelerators: bool) -> ServerLease:
 def fork_server(hide_accelerators: bool) -> Zygote:
     """The running fork server for this setting (started if needed)."""
     return _FORK_SERVERS.server(hide_accelerators)
-
-
-def fork_server_pids() -> List[int]:
-    """The pids of this process's running fork servers (for diagnostics)."""
-    return _FORK_SERVERS.pids()
 
 
 def fork_server_pid(hide_accelerators: bool) -> Optional[int]:

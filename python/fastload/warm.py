@@ -184,7 +184,7 @@ class LoaderState:
         import ``modules`` (those defining the loader's dataset, sampler,
         ``collate_fn`` and ``worker_init_fn``) in the background, so that
         the first ``iter()`` pays for neither. Returns it; the caller stops
-        it if the loader goes unused (:func:`stop_spare_zygote`)."""
+        it if the loader goes unused (:func:`release_lease`)."""
         if self.spare_zygote is None:
             hide = not self.options.allow_gpu_in_workers
             try:

@@ -106,11 +106,10 @@ _preloaded: Optional[Tuple[int, Any]] = None
 # In a zygote: why it is no longer safe to fork from after an import request
 # ("" while it is), answered to its next preload.
 _import_taint = ""
-# In a zygote: the modules its last preload's unpickling imported (in order,
-# see _recording_imports), reported before the answer (MODULES) for the fork
-# server to import too.
-_session_imports: List[str] = []
-MODULES = b"M"  # zygote -> main, before a PRELOADED answer: a pickle of those modules
+# zygote -> main, before a PRELOADED answer: a pickle of the modules the
+# preload's unpickling imported (in order, see _recording_imports), for the
+# fork server to import too.
+MODULES = b"M"
 MODULES_MAX = 1 << 20  # the largest message on the control socket
 
 
@@ -147,14 +146,14 @@ def _opened_since(before: Dict[str, str]) -> List[str]:
             and not target.startswith(("/dev/shm/", "/memfd:", "/proc/"))]
 
 
-def _tainted_by(threads_before: int) -> str:
-    """Why this zygote is no longer safe to fork from, or ``""``."""
+def _tainted_by(threads_before: int, cause: str = "unpickling the session") -> str:
+    """Why this zygote is no longer safe to fork from after ``cause``, or ``""``."""
     if _threads() > threads_before:
-        return "unpickling the session started threads in the zygote"
+        return f"{cause} started threads in the zygote"
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_initialized():
-            return "unpickling the session initialised CUDA in the zygote"
+            return f"{cause} initialised CUDA in the zygote"
     except Exception:  # noqa: BLE001
         pass
     return ""
@@ -167,7 +166,8 @@ def _forget() -> None:
     gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
 
 
-def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) -> Tuple[int, str]:
+def _preload(head: Dict[str, Any], fds: List[int],
+             starting: Callable[[], Any]) -> Tuple[int, str, List[str]]:
     """In the zygote: drop the session held, unpickle the one sent (``fds``:
     its blob's memfd, then the fds it refers to; all ours to close) and hold
     it, frozen, if workers may share it (see fastload.launch.Zygote.preload).
@@ -182,7 +182,7 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
     except BaseException as e:  # noqa: BLE001
         for fd in shared:
             os.close(fd)
-        return DECLINED, f"reading the session failed: {e}"
+        return DECLINED, f"reading the session failed: {e}", []
     outcome, why = DECLINED, ""
     imports: List[str] = []
     try:
@@ -209,12 +209,9 @@ def _preload(head: Dict[str, Any], fds: List[int], starting: Callable[[], Any]) 
         del session
     except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
         outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
-    if outcome == PRELOADED:
-        global _session_imports
-        # All of them, those this zygote had already (imported ahead, see
-        # IMPORT_REQ) included: the fork server may not have them.
-        _session_imports = list(dict.fromkeys(imports))
-    return outcome, why
+    # All of them, those this zygote had already (imported ahead, see
+    # IMPORT_REQ) included: the fork server may not have them.
+    return outcome, why, list(dict.fromkeys(imports)) if outcome == PRELOADED else []
 
 
 @contextlib.contextmanager
@@ -317,10 +314,11 @@ def _import(msg: bytes) -> None:
             __import__(name)
         except BaseException:  # noqa: BLE001 - the session meets it again and reports it
             pass
-    why = _tainted_by(threads).replace("unpickling the session", "importing the loader's modules")
+    cause = "importing the loader's modules"
+    why = _tainted_by(threads, cause)
     opened = _opened_since(before)
     if opened and not why:  # workers forked from here would share the files' offsets
-        why = f"importing the loader's modules opened {', '.join(opened[:4])}"
+        why = f"{cause} opened {', '.join(opened[:4])}"
     if why and not _import_taint:
         _import_taint = why
 
@@ -333,10 +331,9 @@ def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
             os.close(fd)
         _send(ctl, PRELOAD.pack(b"P", head["token"], TAINTED) + _import_taint.encode()[:WHY_MAX])
         return
-    outcome, why = _preload(head, fds, lambda: _send(
+    outcome, why, names = _preload(head, fds, lambda: _send(
         ctl, PRELOAD.pack(UNPICKLING, head["token"], 0)))
-    if outcome == PRELOADED and _session_imports:
-        names = list(_session_imports)
+    if names:
         data = MODULES + pickle.dumps(names, protocol=pickle.HIGHEST_PROTOCOL)
         while len(data) > MODULES_MAX:  # keep the first imported: they import the rest
             names = names[: len(names) // 2]
