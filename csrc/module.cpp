@@ -216,9 +216,12 @@ PYBIND11_MODULE(_core, m) {
       .def("result",
            [](const Ring& r, uint32_t slot) {
              SlotResult res = r.result(slot);
-             return py::make_tuple(res.kind, res.data_len, res.meta_offset, res.meta_len);
+             return py::make_tuple(res.kind, res.data_len, res.meta_offset, res.meta_len,
+                                   res.make_ns);
            },
-           py::arg("slot"), "(kind, data_len, meta_offset, meta_len) of a READY slot.")
+           py::arg("slot"),
+           "(kind, data_len, meta_offset, meta_len, make_ns) of a READY slot; make_ns:\n"
+           "the nanoseconds the worker said it spent making the result.")
       .def("lease",
            [](const std::shared_ptr<Ring>& r, uint32_t slot, size_t nbytes,
               py::object on_release) {
@@ -271,11 +274,11 @@ PYBIND11_MODULE(_core, m) {
            "(WaitResult, slot, seq, task_len); slot fields are valid only with READY.")
       .def("commit",
            [](Ring& r, uint32_t slot, uint32_t kind, uint64_t data_len, uint64_t meta_offset,
-              uint64_t meta_len) {
-             return r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len});
+              uint64_t meta_len, uint64_t make_ns) {
+             return r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len, make_ns});
            },
            py::arg("slot"), py::arg("kind"), py::arg("data_len"), py::arg("meta_offset"),
-           py::arg("meta_len"),
+           py::arg("meta_len"), py::arg("make_ns") = 0,
            "WRITING -> READY for the task this process took from `slot`. RECLAIMED:\n"
            "main took the slot back first (it believed this worker dead); the\n"
            "result is dropped and nothing was written to the slot's header.");

@@ -311,7 +311,8 @@ SlotResult Ring::result(uint32_t s) const {
   if (st != SlotState::Ready && st != SlotState::Leased)
     throw std::logic_error("fastload: result() of a slot that is not READY");
   return SlotResult{load_relaxed(sl.result_kind), load_relaxed(sl.data_len),
-                    load_relaxed(sl.meta_offset), load_relaxed(sl.meta_len)};
+                    load_relaxed(sl.meta_offset), load_relaxed(sl.meta_len),
+                    load_relaxed(sl.make_ns)};
 }
 
 void Ring::lease(uint32_t s) {

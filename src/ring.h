@@ -45,7 +45,7 @@ constexpr uint64_t kRingMagic = 0x474e4952444c5346ULL;  // "FSLDRING" read littl
 // Bumped whenever a shared struct changes: two builds with different
 // layouts refuse to share a segment. 2: 64-bit slot state words with a lap,
 // lap-stamped queue entries, worker generations. 3: the completion queue.
-constexpr uint32_t kRingVersion = 3;
+constexpr uint32_t kRingVersion = 4;
 constexpr uint32_t kMaxSlots = 1024;  // power of two: queue indices are masked with it
 constexpr uint32_t kMaxWorkers = 512;
 constexpr size_t kCacheLine = 64;
@@ -137,6 +137,7 @@ struct alignas(kCacheLine) ShmSlot {
   std::atomic<uint64_t> data_len;     // worker, in COMMITTING
   std::atomic<uint64_t> meta_offset;  // worker, in COMMITTING
   std::atomic<uint64_t> meta_len;     // worker, in COMMITTING
+  std::atomic<uint64_t> make_ns;      // worker, in COMMITTING: time it spent making the result
 };
 
 // One per worker, in shared memory: a single-producer (main) single-consumer
@@ -204,7 +205,8 @@ struct ShmHeader {
 static_assert(std::is_standard_layout_v<ShmSlot> && sizeof(ShmSlot) == kCacheLine,
               "ShmSlot is an ABI between processes: one cache line per slot");
 static_assert(offsetof(ShmSlot, state) == 0 && offsetof(ShmSlot, seq) == 8 &&
-                  offsetof(ShmSlot, worker) == 24 && offsetof(ShmSlot, meta_len) == 48,
+                  offsetof(ShmSlot, worker) == 24 && offsetof(ShmSlot, meta_len) == 48 &&
+                  offsetof(ShmSlot, make_ns) == 56,
               "ShmSlot layout (bump kRingVersion when it changes)");
 static_assert(std::is_standard_layout_v<ShmWorker> && sizeof(ShmWorker) % kCacheLine == 0,
               "ShmWorker is an ABI between processes");
@@ -238,6 +240,9 @@ struct SlotResult {
   uint64_t data_len;
   uint64_t meta_offset;
   uint64_t meta_len;
+  // Nanoseconds the worker spent making the result (its own clock): the
+  // loader's statistics, never used to decide anything in the ring.
+  uint64_t make_ns = 0;
 };
 
 // What a worker names itself by: its index and the queue generation it

@@ -113,6 +113,7 @@ CommitResult Ring::commit(const TaskRef& t, const SlotResult& r) {
   store_relaxed(sl.data_len, r.data_len);
   store_relaxed(sl.meta_offset, r.meta_offset);
   store_relaxed(sl.meta_len, r.meta_len);
+  store_relaxed(sl.make_ns, r.make_ns);
   word = slot_word(t.lap, SlotState::Committing);
   // Release: the payload and the fields above reach main's acquire in
   // is_ready(). Fails only when main reclaimed the slot while we wrote them.

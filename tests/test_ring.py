@@ -31,9 +31,9 @@ def _roundtrip(ring: Ring, worker: int = 0) -> int:
     assert bytes(mv[start : start + 4]) == b"task"
     mv[start : start + 3] = b"abc"
     del mv
-    ring.commit(slot, 0, 3, 0, 0)
+    ring.commit(slot, 0, 3, 0, 0, 1234)
     assert ring.wait_ready(slot, 5, 0.1) == WaitResult.READY
-    assert ring.result(slot) == (0, 3, 0, 0)
+    assert ring.result(slot) == (0, 3, 0, 0, 1234)  # make_ns comes back as given
     return slot
 
 

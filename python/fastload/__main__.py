@@ -7,6 +7,10 @@ itself or through a library, runs on fastload. Its exit status is this
 command's. Options before the script set the install options, e.g.
 ``python -m fastload run --hang-timeout 60 train.py --lr 3e-4``.
 
+``--report`` prints, when the script ends, a table per loader of its
+epochs: how long the training loop waited for batches, how long workers
+took to make them, how busy they were (see ``FastLoader.stats()``).
+
 Processes the script starts as new interpreters (``torchrun``,
 ``torch.multiprocessing.spawn``) are not covered: ``FASTLOAD_INSTALL=1`` in
 the environment is (see README).
@@ -48,6 +52,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse-workers", dest="reuse_workers", action="store_false",
                    help="start new worker processes every epoch")
     p.add_argument("--allow-gpu-in-workers", action="store_true")
+    p.add_argument("--report", action="store_true",
+                   help="when the script ends, print a table per loader (to stderr): how long "
+                        "the loop waited for batches and what bounded it")
     return p
 
 
@@ -78,12 +85,30 @@ def run(argv: Sequence[str]) -> None:
     if (script is None) == (module is None):
         parser.error("give a script path or -m module (one of them)")
 
+    report: bool = options.pop("report", False)
     import fastload
 
     try:
         fastload.install(**options)
     except ValueError as err:
         parser.error(str(err))
+    if not report:
+        _run_script(script, module, rest)
+        return
+    from .run_report import ReportHandler, format_report
+
+    handler = ReportHandler()
+    handler.attach()
+    try:
+        _run_script(script, module, rest)
+    finally:
+        handler.detach()
+        sys.stderr.write(format_report(list(handler.meters.values())))
+        sys.stderr.flush()
+
+
+def _run_script(script: Optional[str], module: Optional[str], rest: List[str]) -> None:
+    """Run ``script`` (or ``-m module``) as ``python`` would, with ``rest`` as its arguments."""
     if module is not None:
         # python -m: sys.path[0] is the current directory (already so for
         # `python -m fastload`); argv[0] becomes the module's file.

@@ -55,13 +55,14 @@ from . import crossing, resume
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
 from .ledger import Record, Role
+from .loader_stats import EpochMeter, loader_label
 from .lineage import default_context
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
 from .warm import LoaderState
-from .wire import KIND_EXHAUSTED, encode_fetch
+from .wire import FLAG_OVERFLOW, KIND_DATA, KIND_EXHAUSTED, encode_fetch
 
 log = logging.getLogger("fastload")
 
@@ -75,6 +76,12 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                  device_runtime: Any = None) -> None:
         """``state``: fastload's state for ``loader``; ``stream_ops`` and
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
+        meter = self._meter = state.meter
+        meter.begin(loader.num_workers, loader_label(loader))
+        self._meter_epoch = meter.epoch
+        self._epoch_over = False  # the epoch's last batch was handed out (stats())
+        self._read_ns = 0
+        self._delivered_samples = 0
         saved = self._saved = state.take_resume()
         first_start = None
         if saved is None:
@@ -118,6 +125,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             self._shutdown_workers()
             raise
         self._reset(loader, first_iter=True)
+        meter.started()
 
     def _open_pool(self, loader: DataLoader, state: LoaderState,
                    device_runtime: Any) -> Optional[crossing.Parcel]:
@@ -146,7 +154,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             pool, self._ledger, hang_timeout=opts.hang_timeout,
             max_restarts=opts.max_worker_restarts, restartable=restartable,
             start_session=functools.partial(restart_session, pool, kept, self._base_seed,
-                                            self._book, self._reader))
+                                            self._book, self._reader),
+            on_restart=state.meter.restarted)
         return blob
 
     def _start_session(self, state: LoaderState, saved: Optional[dict],
@@ -168,6 +177,10 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if not first_iter:  # a persistent iterator's next epoch
+            self._meter.begin(self._num_workers, loader_label(loader))
+            self._meter_epoch = self._meter.epoch
+            self._epoch_over = False
         if not first_iter and self._fatal is None:
             # Tasks the previous epoch still owed (the loop broke out): DataLoader
             # had sent them, and its workers fetch them before the new epoch,
@@ -218,6 +231,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         finally:
             if replay is not None:
                 replay.done()
+        if not first_iter:
+            self._meter.started()
 
     def _trim_slots(self, state: Optional[LoaderState]) -> None:
         """An epoch starts: free slots give back the pages an outlier batch
@@ -287,6 +302,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         rec = self._ledger.wait(wait)
         if rec is not None:
+            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == KIND_DATA:
+                self._meter.made(rec.worker, rec.make_ns, rec.idx, rec.index)
             return rec
         self._check(needed)
         if deadline is not None and time.monotonic() >= deadline:
@@ -316,6 +333,24 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._fatal = msg
         self._shutdown_workers(wait=False)
         raise RuntimeError(msg)
+
+    def __next__(self) -> Any:
+        # The loop's wait for a batch, for stats(): the whole next() call.
+        t0 = time.perf_counter_ns()
+        try:
+            data = super().__next__()
+        except StopIteration:
+            if self._meter_epoch == self._meter.epoch:
+                self._meter.waited(time.perf_counter_ns() - t0)
+                self._meter.end()
+            raise
+        meter = self._meter
+        if self._meter_epoch == meter.epoch:
+            meter.delivered(time.perf_counter_ns() - t0, self._read_ns, self._delivered_samples,
+                            self._reader.batch_bytes)
+            if self._epoch_over:
+                meter.end()
+        return data
 
     def _next_data(self) -> Any:
         if self._prefetcher is not None:
@@ -374,18 +409,31 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
 
     def _deliver(self, rec: Record) -> Any:
         data = self._process_data(rec)
-        if (self._sampler_done and not self._persistent_workers and not self._task_info
-                and not self._owed and self._tasks_outstanding == 0):
-            # That was the epoch's last batch: give the pool back now, not at
-            # the StopIteration that a loop stopping after len(loader) batches
-            # (Lightning's does) never asks for; the next iter() finds it warm.
-            self._hand_back_pool()
+        if (self._sampler_done and not self._task_info and not self._owed
+                and self._tasks_outstanding == 0):
+            # That was the epoch's last batch: its figures are final, and the
+            # pool goes back now, not at the StopIteration that a loop
+            # stopping after len(loader) batches (Lightning's does) never
+            # asks for; the next iter() finds it warm.
+            self._epoch_over = True
+            if not self._persistent_workers:
+                self._hand_back_pool()
         return data
 
     def _process_data(self, rec: Record) -> Any:
         self._workers_num_tasks[rec.worker] -= 1
+        t0 = time.perf_counter_ns()
+        index = rec.index
+        try:
+            self._delivered_samples = len(index) if self._auto_collation else 1
+        except TypeError:  # a batch sampler's batch with no len()
+            self._delivered_samples = 1
         try:
             data = self._reader.take(rec)
+            if self._reader.copied:
+                self._meter.copied += 1
+            if rec.kind & FLAG_OVERFLOW:
+                self._meter.overflow += 1
         finally:
             self._book.taken(rec.worker, rec.idx, self._reader.snapshot, self._num_yielded)
             state = self._state_ref()
@@ -405,6 +453,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 data = self._pinner.pin(data)
             else:  # no host-register call: copy as DataLoader's pin thread does
                 data = pin_memory(data, self._pin_memory_device)
+                self._meter.pin_copied += 1
+        self._read_ns = time.perf_counter_ns() - t0
         return data
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------

@@ -46,7 +46,8 @@ class Record:
     what it is (``idx``: batch number in the epoch, ``index``: the sampler's
     output, ``task``: the encoded task, kept so it can be sent again)."""
 
-    __slots__ = ("role", "seq", "worker", "slot", "idx", "index", "task", "kind", "done")
+    __slots__ = ("role", "seq", "worker", "slot", "idx", "index", "task", "kind", "done",
+                 "make_ns")
 
     def __init__(self, role: Role, seq: int, worker: int, slot: int, idx: int = -1,
                  index: Any = None, task: bytes = b"") -> None:
@@ -59,6 +60,7 @@ class Record:
         self.task = task
         self.kind = -1  # the result kind, once done
         self.done = False
+        self.make_ns = 0  # once done: what its worker says making it took
 
 
 class SlotLedger:
@@ -143,7 +145,8 @@ class SlotLedger:
         if status != _core.WaitResult.READY:
             return None
         rec = waiting[which]
-        rec.kind = self._ring.result(rec.slot)[0]
+        result = self._ring.result(rec.slot)
+        rec.kind, rec.make_ns = result[0], result[4]
         rec.done = True
         if rec.role is not Role.BATCH:
             self.discard(rec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import operator
+import time
 import weakref
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar
 
@@ -25,10 +26,11 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataL
 from . import capture, resume, resume_format
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
+from .loader_stats import LoaderStats, loader_label
 from .pinning import DeviceRuntime
 from .warm import LoaderOptions, LoaderState, loader_modules, release_lease
 
-__all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR"]
+__all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR", "stats"]
 
 T_co = TypeVar("T_co", covariant=True)
 # Where a loader keeps its LoaderState: FastLoader sets it in its constructor,
@@ -230,6 +232,13 @@ class FastLoader(DataLoader[T_co]):
         if self._iterator is not None:  # a persistent iterator starts anew from the state
             self._iterator = None
 
+    def stats(self) -> Optional[LoaderStats]:
+        """How the epoch in progress is going (or how the last one went,
+        between epochs): how long the training loop waited for batches, how
+        long workers took to make them, how busy each worker was. None
+        before the first ``iter()``. See :class:`fastload.LoaderStats`."""
+        return stats(self)
+
     def _device_runtime(self, device_type: Optional[str]) -> Optional[DeviceRuntime]:
         """The runtime that can register the ring as pinned memory, if any."""
         return self._fastload_state.device_runtime(device_type)
@@ -237,6 +246,24 @@ class FastLoader(DataLoader[T_co]):
     def _stream_ops(self) -> Optional[StreamOps]:
         """Stream operations for device prefetch; None when there is nothing to do."""
         return self._fastload_state.stream_ops()
+
+
+def stats(loader: DataLoader) -> Optional[LoaderStats]:
+    """The figures of ``loader``'s epoch in progress (or its last one): a
+    :class:`FastLoader`, or any DataLoader that ran on fastload under
+    :func:`fastload.install`. None before its first ``iter()``.
+
+    Raises ValueError for a loader fastload does not run: a DataLoader
+    outside ``install()``, or one with ``num_workers=0`` under it (that
+    stays DataLoader's own).
+    """
+    state = vars(loader).get(STATE_ATTR) if hasattr(loader, "__dict__") else None
+    if state is None:
+        raise ValueError(
+            f"{type(loader).__qualname__} does not run on fastload: stats() needs a "
+            "FastLoader, or a DataLoader with num_workers > 0 under fastload.install()")
+    meter = state.meter
+    return None if meter.epoch < 0 else meter.stats()
 
 
 def _is_index(value: Any) -> bool:
@@ -325,6 +352,9 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
 
     def __init__(self, loader: DataLoader, state: LoaderState, ops: Optional[StreamOps]) -> None:
         self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
+        self._meter = state.meter
+        self._meter.begin(0, loader_label(loader))
+        self._meter_epoch = self._meter.epoch
         saved = state.take_resume()
         stateful = loader._dataset_kind == _DatasetKind.Iterable and capture.is_stateful(loader.dataset)
         if saved is None:
@@ -334,6 +364,13 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
             if stateful and saved.get("dataset_state") is not None:
                 loader.dataset.load_state_dict(saved["dataset_state"])
         super().__init__(loader)  # draws the base seed as any iter() does
+        self._samples = 0  # in the batch last drawn
+        try:  # the epoch's length, to know its last batch (an IterableDataset's: unknown)
+            self._epoch_len = (len(self._index_sampler)
+                               if self._dataset_kind == _DatasetKind.Map else None)
+        except TypeError:
+            self._epoch_len = None
+        self._meter.started()
         self._stateful = stateful
         self._finished = False
         state.live_iterator = weakref.ref(self)
@@ -372,6 +409,33 @@ class _SingleProcessIter(_SingleProcessDataLoaderIter):
         super()._reset(loader, first_iter)
         if self._prefetcher is not None:
             self._prefetcher.reset()
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        try:
+            self._samples = len(index) if self._auto_collation else 1
+        except TypeError:  # a batch sampler's batch with no len()
+            self._samples = 1
+        return index
+
+    def __next__(self) -> Any:
+        # stats(): each next() both waits for and makes its batch.
+        t0 = time.perf_counter_ns()
+        meter = self._meter
+        try:
+            data = super().__next__()
+        except StopIteration:
+            if self._meter_epoch == meter.epoch:
+                meter.waited(time.perf_counter_ns() - t0)
+                meter.end()
+            raise
+        if self._meter_epoch == meter.epoch:
+            took = time.perf_counter_ns() - t0
+            meter.made(-1, took, self._num_yielded - 1, None)
+            meter.delivered(took, 0, self._samples, 0)
+            if self._num_yielded == self._epoch_len:
+                meter.end()
+        return data
 
     def _next_data(self) -> Any:
         try:

@@ -44,6 +44,7 @@ class SlotReader:
         self._held_batches = held_batches
         self._pinner = pinner
         self.batch_bytes = 0  # bytes of the batch last read, to size slots
+        self.copied = False  # the batch last read was copied out of its slot (held_batches)
         # The resume capture that came with the batch last taken (pickled; see
         # fastload.resume): the worker's state when it had made that batch.
         self.snapshot: Optional[bytes] = None
@@ -53,8 +54,9 @@ class SlotReader:
         leased to the batch's tensors or freed."""
         ring = self._ring
         self._ledger.taken(rec)
-        kind, data_len, meta_off, meta_len = ring.result(rec.slot)
+        kind, data_len, meta_off, meta_len, _make_ns = ring.result(rec.slot)
         self.snapshot = None
+        self.copied = False
         if kind == KIND_ERROR:
             try:
                 error, self.snapshot = split_trailer(self._bytes(rec.slot, meta_len))
@@ -85,6 +87,7 @@ class SlotReader:
         # tensor (each group of overlapping ones) and each buffer gets
         # memory of its own, as with DataLoader: code that keeps a batch's
         # labels and drops its images keeps the labels' bytes alone.
+        self.copied = True
         try:
             return _read(rec, bytes(meta), [lease, overflow], copy=True)
         finally:
@@ -93,7 +96,7 @@ class SlotReader:
     def peek_snapshot(self, rec: Record) -> Optional[bytes]:
         """The resume capture of a done batch still in its slot, left there
         (None if its meta lies in an overflow segment)."""
-        kind, _data_len, meta_off, meta_len = self._ring.result(rec.slot)
+        kind, _data_len, meta_off, meta_len, _make_ns = self._ring.result(rec.slot)
         if kind & FLAG_OVERFLOW:
             return None
         return split_trailer(self._bytes(rec.slot, meta_off + meta_len)[meta_off:])[1]

@@ -86,7 +86,8 @@ class Supervisor:
 
     def __init__(self, pool: WorkerPool, ledger: SlotLedger, *, hang_timeout: Optional[float],
                  max_restarts: int, restartable: bool,
-                 start_session: Callable[[int], Record]) -> None:
+                 start_session: Callable[[int], Record],
+                 on_restart: Callable[[], None] = lambda: None) -> None:
         self._pool = pool
         self._ledger = ledger
         self._ring = pool.ring
@@ -94,6 +95,7 @@ class Supervisor:
         self.restarts_left = max_restarts
         self._restartable = restartable
         self._start_session = start_session
+        self._on_restart = on_restart  # counts restarts for the loader's stats()
         self._stall: Dict[int, Tuple[object, float, bool]] = {}  # worker -> (progress, since, warned)
         # Dead workers whose error waits until the loop needs one of their
         # batches (see check); the ring no longer wakes waits for them.
@@ -218,6 +220,7 @@ class Supervisor:
     def restart(self, w: int, cause: str) -> None:
         """Replace worker ``w`` and have it make its unfinished batches again."""
         self.restarts_left -= 1
+        self._on_restart()
         self._stall.pop(w, None)  # the new process's clock starts when it does
         log.warning("fastload: restarting worker %d (%s); %d restart(s) left", w, cause,
                     self.restarts_left)

@@ -26,6 +26,7 @@ import torch
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
 from .launch import Zygote
+from .loader_stats import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
 from .lineage import ZYGOTE, ServerLease, fork_server, lease_fork_server
 from .pool import WorkerPool
@@ -97,6 +98,7 @@ class LoaderState:
         self.warned_fork = False  # said that its workers fork from this process
         self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
+        self.meter = EpochMeter()  # its epochs' figures, for stats()
 
     def __reduce__(self) -> Tuple[Any, Tuple[LoaderOptions]]:
         return (LoaderState, (self.options,))

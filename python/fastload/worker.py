@@ -328,7 +328,7 @@ class _TaskLoop:
                 continue
             _op, epoch, batch_idx, index = task
             assert self._session is not None, "fastload: a fetch task before any session"
-            self._fetch(self._session, slot, seq, epoch, batch_idx, index)
+            self._fetch(self._session, slot, seq, epoch, batch_idx, index, time.perf_counter_ns())
 
     def _new_session(self, task: Tuple[Any, ...]) -> _Session:
         """The session an OP_SESSION task starts, its objects taken from
@@ -347,9 +347,10 @@ class _TaskLoop:
                         task[3])
 
     def _fetch(self, session: _Session, slot: int, seq: int, epoch: int, batch_idx: int,
-               index: Any) -> None:
+               index: Any, t0: int) -> None:
         """An OP_FETCH task: the batch, or what stands in for it (the
-        replica's end, the session's set-up error)."""
+        replica's end, the session's set-up error). ``t0``: when the task was
+        taken (``time.perf_counter_ns``), for the batch's make time."""
         if epoch != session.epoch:
             session.new_epoch(epoch)
         if session.iteration_end:
@@ -358,10 +359,10 @@ class _TaskLoop:
         if session.init_exception is not None:
             self._commit_error(slot, session.init_exception, session.capture())
             return
-        self._make_batch(session, slot, seq, batch_idx, index)
+        self._make_batch(session, slot, seq, batch_idx, index, t0)
 
     def _make_batch(self, session: _Session, slot: int, seq: int, batch_idx: int,
-                    index: Any) -> None:
+                    index: Any, t0: int) -> None:
         """Fetch and collate the batch into ``slot``, then commit it (or the
         error that stopped it)."""
         where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
@@ -397,12 +398,13 @@ class _TaskLoop:
                 where=f"{where} while sending it to the main process"), trailer)
             return
         del data  # no reference to the batch is left once it is committed
-        self._commit_batch(slot, seq, data_len, meta_off, meta_len, ofd)
+        self._commit_batch(slot, seq, data_len, meta_off, meta_len, ofd, t0)
 
     def _commit_batch(self, slot: int, seq: int, data_len: int, meta_off: int, meta_len: int,
-                      ofd: Optional[int]) -> None:
+                      ofd: Optional[int], t0: int) -> None:
         """Publish the batch written into ``slot``, its overflow segment
-        (``ofd``, if any) sent to the main process first."""
+        (``ofd``, if any) sent to the main process first; the slot's header
+        says how long making it took since ``t0`` (the loader's stats())."""
         kind = KIND_DATA
         if ofd is not None:
             try:
@@ -414,7 +416,7 @@ class _TaskLoop:
         # up on this worker and took the slot back. The batch is simply
         # dropped (it will be made again); next_task() then answers
         # SHUTDOWN if main has replaced this worker, and the loop ends.
-        self._ring.commit(slot, kind, data_len, meta_off, meta_len)
+        self._ring.commit(slot, kind, data_len, meta_off, meta_len, time.perf_counter_ns() - t0)
 
     def _commit_error(self, slot: int, wrapper: Any, trailer: bytes) -> None:
         """Commit ``wrapper`` (an ExceptionWrapper) as the slot's result,

@@ -199,3 +199,18 @@ def strided_collate(batch: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
         "row_of_big": big[42],  # contiguous slice of a big tensor
         "channels_last": (x + 1).contiguous(memory_format=torch.channels_last),
     }
+
+
+class Straggler(Plain):
+    """``Plain`` whose samples take ``slow`` seconds in worker ``worker_id``
+    and ``delay`` in the others: one worker lagging behind."""
+
+    def __init__(self, n: int, *, delay: float, slow: float, worker_id: int = 1) -> None:
+        super().__init__(n, delay=delay)
+        self.slow = slow
+        self.worker_id = worker_id
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = get_worker_info()
+        time.sleep(self.slow if info is not None and info.id == self.worker_id else self.delay)
+        return self.row(i)

@@ -10,7 +10,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import copy_on_read, first_epoch, first_minutes, h2d, measure, report, resume_cost
+from . import (copy_on_read, first_epoch, first_minutes, h2d, measure, report, resume_cost,
+               stats_cost)
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
@@ -352,6 +353,7 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     runs = b.run_all()
     after = b.measure_limits("after") if not a.quick else before
     resume = b.step("resume: state_dict() and per-batch costs", resume_cost.measure_resume_cost)
+    stats_costs = b.step("stats(): per-batch costs", stats_cost.measure_stats_cost)
     extras = _extras(a, b)
     limits = _combine(before, after, b.machine["cpus_usable"], consumer_us)
     b.prog.start("reference checksums, in-process")
@@ -364,11 +366,12 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
                   for st in b.states if st != "quiet"}
     res = {"machine": b.machine, "args": vars(a), "command": "python -m fastload.bench " + " ".join(argv or []),
            "limits": limits, "workloads": rows["quiet"], "under_load": under_load,
-           "skipped": b.skipped, "resume": resume, **extras,
+           "skipped": b.skipped, "resume": resume, "stats_cost": stats_costs, **extras,
            "elapsed_s": time.monotonic() - t_start}
     report.print_report(res, out)
     tiny = rows["quiet"].get("tiny", {}).get("median", {}).get("fastload", {})
     out.write(resume_cost.report_lines(resume, tiny.get("main_cpu_ms_per_batch") or 0.0))
+    out.write(stats_cost.report_lines(stats_costs, tiny.get("main_cpu_ms_per_batch") or 0.0))
     if "copy_on_read" in extras:
         out.write(copy_on_read.report_lines(extras["copy_on_read"]))
     if "first_epoch" in extras:
