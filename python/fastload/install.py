@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .iterator import FastLoaderIter
+from .autoscale import AUTO
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
 from .lineage import ServerLease, lease_fork_server
 from .warm import LoaderState, release_lease
@@ -56,6 +57,7 @@ def install(
     hang_timeout: Optional[float] = 300.0,
     max_worker_restarts: int = 0,
     device: Optional[Any] = None,
+    num_workers: Optional[str] = None,
 ) -> None:
     """Make every ``torch.utils.data.DataLoader`` with workers run on fastload.
 
@@ -80,14 +82,23 @@ def install(
     started now, in the background: it imports torch while the script
     builds its model, so the first epoch does not wait for it.
 
+    ``num_workers="auto"`` overrides the count every loader with workers
+    was given (by the user or by a library): fastload chooses it, and keeps
+    choosing it as the loader runs (see ``FastLoader``'s ``num_workers``).
+    Loaders with ``num_workers=0`` stay in the main process.
+
     Raises:
         TypeError: an unknown option.
         ValueError: a bad value for an option.
     """
+    if num_workers is not None and num_workers != AUTO:
+        raise ValueError(f"num_workers option of install() should be None or 'auto', but got "
+                         f"{num_workers!r}")
     _activate(LoaderOptions(
         allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
         held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
         max_worker_restarts=max_worker_restarts, device=device,
+        auto_workers=num_workers == AUTO,
     ), start_server_now=True)
 
 

@@ -45,13 +45,15 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import crossing, resume
+from . import _core, crossing, resume
+from .autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
+                        worker_cap)
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
 from .ledger import Record, Role
@@ -76,8 +78,9 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                  device_runtime: Any = None) -> None:
         """``state``: fastload's state for ``loader``; ``stream_ops`` and
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
-        meter = self._meter = state.meter
-        meter.begin(loader.num_workers, loader_label(loader))
+        meter: EpochMeter = state.meter
+        self._meter = meter
+        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers))
         self._meter_epoch = meter.epoch
         self._epoch_over = False  # the epoch's last batch was handed out (stats())
         self._read_ns = 0
@@ -87,20 +90,21 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         if saved is None:
             first_start = resume.epoch_start(loader, None, True)
         super().__init__(loader)  # draws the base seed as any iter() does (NOTE [ Resume ])
+        opts = state.options
+        self._prefetch_factor: int = loader.prefetch_factor  # type: ignore[assignment]
+        self._capacity = self._choose_count(loader, state, saved)
         if saved is not None:
             self._base_seed = saved["base_seed"]
         else:
             first_start["base_seed"] = self._base_seed  # type: ignore[index]
         self._first_start = first_start
-        self._book = resume.ResumeBook(self._num_workers)
+        self._book = resume.ResumeBook(self._capacity)
         self._finished = False
         self._drawn = 0
         self._skip_draw: set = set()
         self._skip_send: set = set()
         self._cycle_next = 0
         state.live_iterator = weakref.ref(self)
-        opts = state.options
-        self._prefetch_factor: int = loader.prefetch_factor  # type: ignore[assignment]
         self._in_order = getattr(loader, "in_order", True)
         if self._prefetch_factor <= 0:
             raise AssertionError("prefetch_factor must be greater than 0 for multi-process loading")
@@ -137,8 +141,12 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
              self._dataset_kind, self._auto_collation, self._drop_last),
             loader.multiprocessing_context or default_context(), state)
         pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,
-                              persistent=self._persistent_workers, inherited=inherited)
+                              persistent=self._persistent_workers, inherited=inherited,
+                              capacity=self._capacity)
         self._pool, self._ring, self._ledger = pool, pool.ring, pool.ledger
+        if self._auto is not None:
+            self._num_workers = pool.num_workers  # a warm pool keeps the count it ended with
+            state.meter.resize(pool.num_workers)
         if self._pin_memory and pool.pinner is None and device_runtime is not None:
             runtime = device_runtime(self._pin_memory_device)
             if runtime is not None:
@@ -149,7 +157,9 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         restartable = self._dataset_kind == _DatasetKind.Map
         # The pickled session is as big as the dataset: kept for the iterator's
         # life only where a replacement worker may need it.
-        kept = blob if restartable and opts.max_worker_restarts > 0 else None
+        kept = (blob if restartable and (opts.max_worker_restarts > 0 or self._auto is not None)
+                else None)
+        self._session_blob = kept  # a worker added by num_workers="auto" gets it too
         self._supervisor = Supervisor(
             pool, self._ledger, hang_timeout=opts.hang_timeout,
             max_restarts=opts.max_worker_restarts, restartable=restartable,
@@ -167,8 +177,11 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         if saved is not None:
             mid_epoch = saved["position"] is not None
             workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
+            # num_workers="auto" may have room for more or fewer workers here
+            workers = (workers + [None] * self._capacity)[: self._capacity]
+            this_epoch = [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]]
             self._book.resumed([w and w[0] for w in workers],
-                               [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]])
+                               (this_epoch + [False] * self._capacity)[: self._capacity])
         self._ledger.drain(self._wait_one)
         self._trim_slots(state)
         self._ledger.make_free(self._num_workers)
@@ -178,7 +191,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         if not first_iter:  # a persistent iterator's next epoch
-            self._meter.begin(self._num_workers, loader_label(loader))
+            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None))
             self._meter_epoch = self._meter.epoch
             self._epoch_over = False
         if not first_iter and self._fatal is None:
@@ -214,8 +227,11 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._tasks_outstanding = 0
         self._owed: List[Any] = []  # indices drawn for tasks not sent yet (_process_data)
         self._sampler_done = False
-        self._workers_status = [True] * self._num_workers
-        self._workers_num_tasks = [0] * self._num_workers
+        if getattr(self, "_retiring", None) and self._pool is not None:
+            self._pool.shrink(self._num_workers)  # the epoch before drained their tasks
+        self._workers_status = [True] * self._capacity
+        self._workers_num_tasks = [0] * self._capacity
+        self._retiring: List[int] = []  # workers num_workers="auto" retires once their tasks are in
         self._finished = False
         self._drawn = 0
         first_worker, replay = 0, None
@@ -233,6 +249,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 replay.done()
         if not first_iter:
             self._meter.started()
+        self._start_windows()
 
     def _trim_slots(self, state: Optional[LoaderState]) -> None:
         """An epoch starts: free slots give back the pages an outlier batch
@@ -253,7 +270,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         """DataLoader's: send the sampler's next index (or ``index``, drawn
         earlier) to the next active worker."""
         max_tasks = self._prefetch_factor * self._num_workers
-        if self._tasks_outstanding >= max_tasks:
+        if self._tasks_outstanding >= max_tasks and not self._retiring:
             raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
         if index is _NO_INDEX:
             try:
@@ -261,6 +278,11 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             except StopIteration:
                 self._sampler_done = True
                 return
+        if self._tasks_outstanding >= max_tasks:
+            # Workers being retired still hold tasks beyond the new count's
+            # share: the task waits, its index drawn in DataLoader's order.
+            self._owed.insert(0, index)
+            return
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_queue_idx = next(self._worker_queue_idx_cycle)
             self._cycle_next = (worker_queue_idx + 1) % self._num_workers
@@ -268,7 +290,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 if self._in_order:
                     break
                 elif self._workers_num_tasks[worker_queue_idx] < max_tasks // sum(
-                    self._workers_status
+                    self._workers_status[: self._num_workers]
                 ):
                     break
         else:
@@ -285,8 +307,10 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         self._send_idx += 1
 
     def _pay_refills(self) -> None:
-        """Send the tasks :meth:`_process_data` deferred (NOTE [ Ordering ])."""
-        while self._owed:
+        """Send the tasks :meth:`_process_data` deferred (NOTE [ Ordering ]),
+        as many as the worker count allows."""
+        limit = self._prefetch_factor * self._num_workers
+        while self._owed and self._tasks_outstanding < limit:
             self._try_put_index(self._owed.pop(0))
 
     # ---- receiving ---------------------------------------------------------
@@ -346,10 +370,13 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             raise
         meter = self._meter
         if self._meter_epoch == meter.epoch:
-            meter.delivered(time.perf_counter_ns() - t0, self._read_ns, self._delivered_samples,
+            now = time.perf_counter_ns()
+            meter.delivered(now - t0, self._read_ns, self._delivered_samples,
                             self._reader.batch_bytes)
             if self._epoch_over:
                 meter.end()
+            elif self._auto is not None and now >= self._auto[1].due_ns:
+                self._rescale(now)
         return data
 
     def _next_data(self) -> Any:
@@ -423,9 +450,8 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
     def _process_data(self, rec: Record) -> Any:
         self._workers_num_tasks[rec.worker] -= 1
         t0 = time.perf_counter_ns()
-        index = rec.index
         try:
-            self._delivered_samples = len(index) if self._auto_collation else 1
+            self._delivered_samples = len(rec.index) if self._auto_collation else 1
         except TypeError:  # a batch sampler's batch with no len()
             self._delivered_samples = 1
         try:
@@ -455,7 +481,114 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 data = pin_memory(data, self._pin_memory_device)
                 self._meter.pin_copied += 1
         self._read_ns = time.perf_counter_ns() - t0
+        if self._retiring:
+            self._retire_idle()
         return data
+
+    # ---- num_workers="auto" (see fastload.autoscale) -------------------------
+    def _choose_count(self, loader: DataLoader, state: LoaderState,
+                      saved: Optional[dict]) -> int:
+        """Set the worker count to start with; returns the most workers this
+        iterator may use. ``num_workers="auto"`` starts from the count saved
+        with a resumed state, or the one its last epoch ended with, or the CPU
+        budget; an IterableDataset's replicas shard by the count, so its
+        count stays as it starts."""
+        self._auto: Optional[Tuple[WorkerCountPolicy, WindowClock]] = None
+        if not state.options.auto_workers:
+            return self._num_workers
+        cores = cores_available()
+        start = (saved.get("workers_in_use") if saved is not None else None) \
+            or state.auto_count or initial_workers(cores)
+        self._num_workers = start
+        if self._dataset_kind != _DatasetKind.Map:
+            return start
+        force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
+        memory = None
+        if force_shm:  # the /dev/shm fallback reserves every slot's pages up front
+            st = os.statvfs("/dev/shm")
+            memory = st.f_bavail * st.f_frsize
+        cap = max(start, worker_cap(cores, state.slot_bytes(force_shm), self._prefetch_factor,
+                                    state.options.held_batches, _core.MAX_SLOTS, memory))
+        self._auto = (WorkerCountPolicy(cores, cap), WindowClock())
+        return cap
+
+    def _start_windows(self) -> None:
+        if self._auto is not None and self._pool is not None:
+            meter = self._meter
+            self._auto[1].restart(time.perf_counter_ns(), meter.batches, meter.wait_ns,
+                                  meter.read_ns, meter.busy_ns, self._pool.pids)
+
+    def _rescale(self, now: int) -> None:
+        """A window of the epoch ended: let the policy change the count."""
+        assert self._auto is not None
+        policy, clock = self._auto
+        pool, meter = self._pool, self._meter
+        if pool is None or self._retiring or self._fatal is not None:
+            return
+        window = clock.take(now, meter.batches, meter.wait_ns, meter.read_ns, meter.busy_ns,
+                            pool.pids, self._num_workers)
+        if window is None:
+            return
+        n = self._num_workers
+        new = policy.decide(window)
+        if new == n:
+            return
+        policy.changed()
+        log.info("fastload: %s: num_workers='auto' goes from %d to %d workers (last %.1f s: the "
+                 "loop waited %.0f%%, workers busy %.0f%%, using %.2f cores)", meter.label, n, new,
+                 window.wall_s, 100 * window.wait_s / window.wall_s,
+                 100 * window.busy_s / (n * window.wall_s), window.workers_cpu_s / window.wall_s)
+        if new > n:
+            self._grow(new)
+        else:
+            self._shrink(new)
+        state = self._state_ref()
+        if state is not None:
+            state.auto_count = new
+
+    def _grow(self, new: int) -> None:
+        """Start workers up to ``new`` and give them tasks at once."""
+        pool = self._pool
+        assert pool is not None
+        n = self._num_workers
+        added = pool.grow(new)
+        pool.start_session(self._session_blob, self._base_seed, added,
+                           resume=[None] * self._capacity)
+        self._num_workers = new
+        self._meter.resize(new)
+        for w in added:
+            self._workers_status[w] = True
+        self._rebuild_cycle()
+        self._pay_refills()
+        for _ in range(self._prefetch_factor * (new - n)):
+            if self._tasks_outstanding >= self._prefetch_factor * new:
+                break
+            self._try_put_index()
+
+    def _shrink(self, new: int) -> None:
+        """Give no more tasks to the workers past ``new``; they are retired
+        once their batches are delivered (:meth:`_retire_idle`)."""
+        self._retiring = list(range(new, self._num_workers))
+        self._num_workers = new
+        assert self._pool is not None
+        self._pool.num_workers = new  # the count its next session starts (reuse_workers)
+        self._meter.resize(new)
+        self._rebuild_cycle()
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        if any(self._workers_num_tasks[w] for w in self._retiring):
+            return
+        if self._pool is not None:
+            self._pool.shrink(self._num_workers)
+        self._retiring = []
+        self._pay_refills()
+
+    def _rebuild_cycle(self) -> None:
+        """Round-robin over the workers in use, going on where it was."""
+        n = self._num_workers
+        first = self._cycle_next % n
+        self._worker_queue_idx_cycle = itertools.cycle([*range(first, n), *range(first)])
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
     def _hand_back_pool(self) -> None:

@@ -44,7 +44,8 @@ class ResumeMixin:
         self._drawn = self._send_idx = self._rcvd_idx = first
         self._num_yielded = first + len(ahead)
         self._skip_draw, self._skip_send = set(ahead), set(ahead)
-        self._workers_status = list(saved["workers_active"])
+        active = list(saved["workers_active"])
+        self._workers_status = (active + [True] * self._capacity)[: self._capacity]
         return int(saved["next_worker"]), replay
 
     def _next_index(self) -> Any:
@@ -79,4 +80,5 @@ class ResumeMixin:
             "workers_active": [self._workers_status[w] or any(
                 r.worker == w for r in self._task_info.values()) for w in range(self._num_workers)],
             "workers": book.worker_states(),
+            "workers_in_use": self._num_workers,  # num_workers="auto" resumes with it
         }

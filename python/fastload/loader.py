@@ -16,7 +16,7 @@ import multiprocessing
 import operator
 import time
 import weakref
-from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar, Union
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, Sampler,
@@ -26,6 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataL
 from . import capture, resume, resume_format
 from .device import DevicePrefetcher, StreamOps
 from .iterator import FastLoaderIter
+from .autoscale import AUTO, cores_available, initial_workers
 from .loader_stats import LoaderStats, loader_label
 from .pinning import DeviceRuntime
 from .warm import LoaderOptions, LoaderState, loader_modules, release_lease
@@ -122,7 +123,7 @@ class FastLoader(DataLoader[T_co]):
         shuffle: Optional[bool] = None,
         sampler: Optional[Sampler | Iterable] = None,
         batch_sampler: Optional[Sampler[List] | Iterable[List]] = None,
-        num_workers: int = 0,
+        num_workers: Union[int, str] = 0,
         collate_fn: Optional[Callable[[List[Any]], Any]] = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -143,10 +144,13 @@ class FastLoader(DataLoader[T_co]):
         max_worker_restarts: int = 0,
         device: Optional[Any] = None,
     ) -> None:
+        auto = _is_auto(num_workers)
+        if auto:  # DataLoader gets the count to start from (see fastload.autoscale)
+            num_workers = initial_workers(cores_available())
         self._fastload_state = LoaderState(LoaderOptions(  # STATE_ATTR
             allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
             held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
-            max_worker_restarts=max_worker_restarts, device=device,
+            max_worker_restarts=max_worker_restarts, device=device, auto_workers=auto,
         ))
         super().__init__(
             dataset,
@@ -264,6 +268,16 @@ def stats(loader: DataLoader) -> Optional[LoaderStats]:
             "FastLoader, or a DataLoader with num_workers > 0 under fastload.install()")
     meter = state.meter
     return None if meter.epoch < 0 else meter.stats()
+
+
+def _is_auto(num_workers: Any) -> bool:
+    """``num_workers="auto"``; any other string is refused in DataLoader's words."""
+    if isinstance(num_workers, str):
+        if num_workers == AUTO:
+            return True
+        raise ValueError(f"num_workers option should be non-negative or 'auto'; got "
+                         f"{num_workers!r}")
+    return False
 
 
 def _is_index(value: Any) -> bool:

@@ -206,6 +206,21 @@ class EpochMeter:
         stats_log.debug("fastload: %s: epoch %d begins", label, self.epoch,
                         extra={"fastload_meter": self})
 
+    def resize(self, workers: int) -> None:
+        """The worker count changed mid-epoch (``num_workers="auto"``): new
+        workers get figures of their own; retired ones keep theirs."""
+        for _ in range(workers - len(self._busy_ns)):
+            self._busy_ns.append(0)
+            self._first_ns.append(None)
+            self._worker_hist.append([0] * _BUCKETS)
+            self._worker_made.append(0)
+        self.workers = workers
+
+    @property
+    def busy_ns(self) -> int:
+        """The workers' time making batches so far this epoch, summed."""
+        return sum(self._busy_ns)
+
     def started(self) -> None:
         """``iter()`` is done: the epoch's wall time starts."""
         self._t0 = time.perf_counter_ns()
@@ -385,9 +400,9 @@ def _short(indices: Any, limit: int = 8) -> str:
     return f"[{text}{', ...' if len(items) > limit else ''}]"
 
 
-def loader_label(loader: Any) -> str:
+def loader_label(loader: Any, auto: bool = False) -> str:
     """How logs and reports name a loader: its class, dataset class and workers."""
     dataset = getattr(loader, "dataset", None)
+    workers = "'auto'" if auto else getattr(loader, "num_workers", "?")
     return (f"{type(loader).__qualname__}({type(dataset).__qualname__}, "
-            f"num_workers={getattr(loader, 'num_workers', '?')}, "
-            f"batch_size={getattr(loader, 'batch_size', '?')})")
+            f"num_workers={workers}, batch_size={getattr(loader, 'batch_size', '?')})")

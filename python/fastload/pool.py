@@ -65,9 +65,14 @@ class WorkerPool:
         force_shm: bool = False,
         zygote: Optional[Zygote] = None,
         inherited: Optional[tuple] = None,
+        capacity: Optional[int] = None,
     ) -> None:
-        self.config = (ctx, num_workers, num_slots, slot_bytes, hide_accelerators, force_shm)
-        self.ring = _core.Ring.create(num_slots, num_workers, slot_bytes, force_shm)
+        # ``capacity``: the most workers the pool may grow to (num_workers="auto");
+        # the ring has a queue for each, and slots for each one's tasks.
+        capacity = num_workers if capacity is None else capacity
+        self.capacity = capacity
+        self.config = (ctx, capacity, num_slots, slot_bytes, hide_accelerators, force_shm)
+        self.ring = _core.Ring.create(num_slots, capacity, slot_bytes, force_shm)
         self.num_workers = num_workers
         # Whether every worker's death wakes the ring's waits (pidfds); if
         # not, the iterator checks liveness between short waits.
@@ -96,7 +101,7 @@ class WorkerPool:
         # current one holds (None for spawned or forked workers).
         self.lineage: Optional[Lineage] = None
         if self._launcher == "zygote":
-            self.lineage = Lineage(num_workers, hide_accelerators, zygote)
+            self.lineage = Lineage(capacity, hide_accelerators, zygote)
         elif zygote is not None:
             zygote.stop()
         self._finalizer = weakref.finalize(
@@ -295,8 +300,51 @@ class WorkerPool:
                 p.join(5.0)
             if isinstance(p, launch.Child):
                 p.close()
+        self._forget_workers_past(self.num_workers)  # num_workers="auto" shrank it
         for i in range(self.num_workers):
             self._start_worker(i)
+
+    # ---- num_workers="auto" ---------------------------------------------------
+    def grow(self, n: int) -> List[int]:
+        """Start workers up to ``n`` (at most :attr:`capacity`); returns the
+        new ones' ids. The caller starts their session (:meth:`start_session`
+        with ``workers``), as for a replacement."""
+        if n > self.capacity:
+            raise ValueError(f"fastload: a pool for {self.capacity} workers cannot grow to {n}")
+        new = list(range(len(self.procs), n))
+        self.num_workers = n  # the new workers' get_worker_info().num_workers
+        for i in new:
+            self._start_worker(i)
+        return new
+
+    def shrink(self, n: int) -> None:
+        """Retire the workers past the first ``n`` (their tasks are done:
+        the caller stopped giving them any and took their batches). They
+        exit at their next look at the ring."""
+        while len(self.procs) > n:
+            w = len(self.procs) - 1
+            p = self.procs[w]
+            self.ring.unwatch_worker(w)  # it exits on purpose
+            self._collect_overflow(w)
+            self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
+            p.join(2.0)
+            if p.exitcode is None:
+                log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
+                p.kill()
+                p.join(5.0)
+            if isinstance(p, launch.Child):
+                p.close()
+            self._forget_workers_past(w)
+        self.num_workers = n
+
+    def _forget_workers_past(self, n: int) -> None:
+        """Drop the handles of workers ``n`` and up (exited, or retired and
+        waited for): their process objects, channels and stack files."""
+        del self.procs[n:]
+        while len(self._socks) > n:
+            self._socks.pop().close()
+        while len(self._stack_fds) > n:
+            os.close(self._stack_fds.pop())
 
     @property
     def pids(self) -> Tuple[int, ...]:

@@ -96,6 +96,9 @@ def loader_facts(loader: Any) -> Dict[str, Any]:
             length = len(loader.dataset)
         except TypeError:
             pass
-    return {_KEY: FORMAT, "num_workers": loader.num_workers, "batch_size": loader.batch_size,
+    state = vars(loader).get("_fastload_state") if hasattr(loader, "__dict__") else None
+    auto = state is not None and state.options.auto_workers and loader.num_workers > 0
+    return {_KEY: FORMAT, "num_workers": "auto" if auto else loader.num_workers,
+            "batch_size": loader.batch_size,
             "drop_last": loader.drop_last, "dataset_kind": kind, "dataset_len": length,
             "persistent_workers": bool(loader.persistent_workers and loader.num_workers > 0)}

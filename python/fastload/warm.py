@@ -49,6 +49,7 @@ class LoaderOptions:
     hang_timeout: Optional[float] = 300.0
     max_worker_restarts: int = 0
     device: Optional[torch.device] = None
+    auto_workers: bool = False  # num_workers="auto" (see fastload.autoscale)
 
     def __post_init__(self) -> None:
         slot_bytes, hang_timeout = self.slot_bytes, self.hang_timeout
@@ -99,6 +100,7 @@ class LoaderState:
         self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()
         self.meter = EpochMeter()  # its epochs' figures, for stats()
+        self.auto_count: Optional[int] = None  # num_workers="auto": the count its last epoch ended with
 
     def __reduce__(self) -> Tuple[Any, Tuple[LoaderOptions]]:
         return (LoaderState, (self.options,))
@@ -152,14 +154,18 @@ class LoaderState:
         return max(int(slot_bytes), _MIN_SLOT_BYTES)
 
     def pool_for(self, ctx: Any, num_workers: int, prefetch_factor: int, *,
-                 persistent: bool, inherited: Optional[tuple]) -> WorkerPool:
-        """A pool for a new iterator: the warm one if it fits, else a new one.
+                 persistent: bool, inherited: Optional[tuple],
+                 capacity: Optional[int] = None) -> WorkerPool:
+        """A pool for a new iterator: the warm one if it fits, else a new one
+        (``capacity``: the most workers it may grow to, for
+        ``num_workers="auto"``; a warm pool keeps the count it had).
 
         Slots: one per possible task, one per worker for its session task,
         and the batches the loop may hold.
         """
         opts = self.options
-        num_slots = num_workers * (prefetch_factor + 1) + opts.held_batches
+        capacity = num_workers if capacity is None else capacity
+        num_slots = capacity * (prefetch_factor + 1) + opts.held_batches
         if num_slots > _core.MAX_SLOTS:
             raise ValueError(
                 "num_workers * (prefetch_factor + 1) + held_batches must be at most "
@@ -167,7 +173,7 @@ class LoaderState:
             )
         force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
         hide = not opts.allow_gpu_in_workers
-        config = (ctx, num_workers, num_slots, self.slot_bytes(force_shm), hide, force_shm)
+        config = (ctx, capacity, num_slots, self.slot_bytes(force_shm), hide, force_shm)
         if not persistent and inherited is None:
             pool = self._take_idle_pool(config)
             if pool is not None:
@@ -178,7 +184,7 @@ class LoaderState:
             zygote = None
         return WorkerPool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
                           slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
-                          zygote=zygote, inherited=inherited)
+                          zygote=zygote, inherited=inherited, capacity=capacity)
 
     def prepare_zygote(self, modules: List[str]) -> Optional[Zygote]:
         """Fork the first pool's zygote from the fork server now, without

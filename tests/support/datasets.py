@@ -214,3 +214,15 @@ class Straggler(Plain):
         info = get_worker_info()
         time.sleep(self.slow if info is not None and info.id == self.worker_id else self.delay)
         return self.row(i)
+
+
+class SlowProbe(EnvProbe):
+    """:class:`EnvProbe` whose samples sleep ``delay`` seconds (I/O, not CPU)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        time.sleep(self.delay)
+        return super().__getitem__(i)
