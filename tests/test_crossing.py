@@ -15,7 +15,7 @@ from multiprocessing import reduction
 import pytest
 import torch
 
-from fastload import crossing
+from fastload.launching import crossing
 
 
 def _round_trip(obj):

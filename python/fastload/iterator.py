@@ -51,11 +51,12 @@ from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import crossing, resume
+from . import resume
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
+from .launching import crossing
+from .launching.lineage import default_context
 from .ledger import Record, Role
-from .lineage import default_context
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader

@@ -22,12 +22,13 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core, crossing, launch
+from . import _core
 from ._ring import FdHandle, RingHandle
 from .deaths import dump_stack, exited_unseen
-from .launch import Zygote
+from .launching import crossing, launch
+from .launching.launch import Zygote
+from .launching.lineage import Lineage, launcher_of
 from .ledger import Record, Role, SlotLedger
-from .lineage import Lineage, launcher_of
 from .teardown import stop_pool
 from .wire import encode_session, hidden_env, recv_overflow, send_session
 from .worker import WorkerSpec, worker_main

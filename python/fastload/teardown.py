@@ -17,9 +17,10 @@ import socket
 import time
 from typing import Any, Dict, List, Sequence
 
-from . import _core, launch
+from . import _core
 from .deaths import exited_unseen
-from .launch import Zygote
+from .launching import launch
+from .launching.launch import Zygote
 
 log = logging.getLogger("fastload")
 

@@ -25,9 +25,9 @@ import torch
 
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
-from .launch import Zygote
+from .launching.launch import Zygote
+from .launching.lineage import ZYGOTE, ServerLease, fork_server, lease_fork_server
 from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .lineage import ZYGOTE, ServerLease, fork_server, lease_fork_server
 from .pool import WorkerPool
 
 log = logging.getLogger("fastload")

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from . import crossing, launch
 from .launch import Zygote
-from .wire import hidden_env
+from ..wire import hidden_env
 
 log = logging.getLogger("fastload")
 

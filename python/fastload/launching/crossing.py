@@ -47,8 +47,8 @@ from multiprocessing import context as mp_context
 from multiprocessing import reduction
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _pickling
-from .errors import add_note
+from .. import _pickling
+from ..errors import add_note
 
 log = logging.getLogger("fastload")
 

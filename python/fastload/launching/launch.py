@@ -71,7 +71,7 @@ ZYGOTE_PRELOAD = ("torch", "fastload.worker")
 _OWN_GROUP: Dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
 
-_BOOT = "import fastload.boot as b; b.boot({fd})"
+_BOOT = "import fastload.launching.boot as b; b.boot({fd})"
 _ZYGOTE_BOOT = _BOOT + "  # fastload zygote"  # told apart from workers in process lists
 
 

@@ -1,0 +1,1 @@
+"""Starting fastload's worker processes: spawn, the zygote, the fork server."""
