@@ -55,7 +55,7 @@ from . import resume
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
 from .launching import crossing
-from .launching.lineage import default_context
+from .launching.start_methods import default_context
 from .ledger import Record, Role
 from .pool import WorkerPool
 from .process_state import ProcessState

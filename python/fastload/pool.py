@@ -27,7 +27,8 @@ from ._ring import FdHandle, RingHandle
 from .deaths import dump_stack, exited_unseen
 from .launching import crossing, launch
 from .launching.launch import Zygote
-from .launching.lineage import Lineage, launcher_of
+from .launching.lineage import Lineage
+from .launching.start_methods import launcher_of
 from .ledger import Record, Role, SlotLedger
 from .teardown import stop_pool
 from .wire import encode_session, hidden_env, recv_overflow, send_session

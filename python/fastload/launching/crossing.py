@@ -49,6 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import _pickling
 from ..errors import add_note
+from .start_methods import default_context, launcher_of
 
 log = logging.getLogger("fastload")
 
@@ -251,8 +252,6 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     DataLoader's default on Linux is fork, so fastload does what DataLoader
     does for this dataset, and says so once per loader
     (``state.warned_fork``)."""
-    from .lineage import default_context, launcher_of
-
     if launcher_of(ctx) is None:
         return None, ctx, payload
     try:

@@ -10,7 +10,7 @@ everything they use travels by value (:mod:`fastload.crossing`). So fastload
 starts them itself, with two launchers:
 
 * :func:`spawn` — a fresh interpreter (``python -c``) that runs
-  :func:`fastload.boot.boot`: it reads the worker's header from a pipe, sets
+  :func:`fastload.launching.boot.boot`: it reads the worker's header from a pipe, sets
   ``sys.path`` and ``sys.argv`` as the parent has them, and calls the
   worker's entry point. Real spawn: nothing is inherited but the fds named
   in the header.
@@ -43,6 +43,7 @@ Both return a :class:`fastload.child.Child`, a handle that quacks like
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import select
@@ -79,8 +80,6 @@ def _header(target: str, note_fd: int, parcel: crossing.Parcel) -> bytes:
     """What a child needs before anything else: the parent's import path and
     argv (spawn's preparation data, without the main module), the entry
     point, the death-note fd and the parcel's fd numbers."""
-    import multiprocessing
-
     me = multiprocessing.current_process()
     return pickle.dumps({
         "sys_path": list(sys.path),
@@ -323,8 +322,6 @@ class Zygote:
         fds = [-1, *parcel.fds]
         if len(fds) > MAX_FDS:
             return DECLINED, f"the session holds {len(fds) - 1} fds; at most {MAX_FDS - 1} can be passed"
-        import multiprocessing
-
         me = multiprocessing.current_process()
         head = PRELOAD_REQ + pickle.dumps({
             "token": token, "sys_path": list(sys.path), "sys_argv": list(sys.argv),

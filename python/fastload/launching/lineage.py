@@ -20,35 +20,13 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from . import crossing, launch
 from .launch import Zygote
 from ..wire import hidden_env
 
 log = logging.getLogger("fastload")
-
-ZYGOTE = "fastload-zygote"
-"""The context that stands for ``multiprocessing_context=None``."""
-
-
-def default_context() -> Any:
-    """What ``multiprocessing_context=None`` runs on."""
-    return ZYGOTE
-
-
-def launcher_of(ctx: Any) -> Optional[str]:
-    """'zygote' or 'spawn' when fastload starts the workers itself (they then
-    never run ``__main__``), None for a multiprocessing context that forks
-    from this process (workers inherit the dataset, as DataLoader's)."""
-    if ctx == ZYGOTE:
-        return "zygote"
-    method = ctx if isinstance(ctx, str) else ctx.get_start_method()
-    if method == "spawn":
-        return "spawn"
-    if method == "forkserver":  # a fork server that imports nothing of __main__
-        return "zygote"
-    return None
 
 
 class _ForkServers:

@@ -1,7 +1,7 @@
 """The zygote process: fastload's fork server, the side that forks.
 
 :class:`fastload.launch.Zygote` (in the main process) starts a fresh
-interpreter whose :func:`fastload.boot.boot` calls :func:`serve`. It imports
+interpreter whose :func:`fastload.launching.boot.boot` calls :func:`serve`. It imports
 torch (and what else it is told to preload), turns its garbage collector
 off, and then serves requests on its control socket until the main process
 closes it.
@@ -12,7 +12,7 @@ are defined here:
 * **Fork** (main → zygote): the worker's header (a pickle, so it starts
   with ``b"\x80"``) with, by ``SCM_RIGHTS``, its death note's write end and
   then its parcel's fds (at most :data:`MAX_FDS` in all). The zygote forks;
-  the child runs :func:`fastload.boot.run`; the zygote answers
+  the child runs :func:`fastload.launching.entry.run`; the zygote answers
   :data:`STARTED` ``(b"S", pid)``.
 * **Preload** (main → zygote): :data:`PRELOAD_REQ` and a pickle of
   ``{token, sys_path, sys_argv, authkey}``, with the session blob's memfd
@@ -65,6 +65,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
+import multiprocessing
 import os
 import pickle
 import select
@@ -76,7 +77,7 @@ import traceback
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple
 
 from . import crossing
-from .boot import run
+from .entry import run
 
 __all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST", "ZYGOTE_REQ",
            "IMPORT_REQ"]
@@ -186,8 +187,6 @@ def _preload(head: Dict[str, Any], fds: List[int],
     outcome, why = DECLINED, ""
     imports: List[str] = []
     try:
-        import multiprocessing
-
         sys.path[:] = head["sys_path"]
         sys.argv[:] = head["sys_argv"]
         multiprocessing.current_process().authkey = head["authkey"]
