@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Sequence
 
 from . import _core
 from .deaths import exited_unseen
-from .launching import launch
-from .launching.launch import Zygote
+from .launching.child import Child
+from .launching.zygote_client import Zygote
 
 log = logging.getLogger("fastload")
 
@@ -82,7 +82,7 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
         except Exception:  # pragma: no cover
             pass
     for p in procs:
-        if isinstance(p, launch.Child):
+        if isinstance(p, Child):
             p.close()  # its pidfd and death-note pipe; its exit code stays readable
     close_fds(socks, overflow_fds, stack_fds, ring)
 

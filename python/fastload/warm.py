@@ -25,7 +25,7 @@ import torch
 
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
-from .launching.launch import Zygote
+from .launching.zygote_client import Zygote
 from .launching.lineage import ServerLease, fork_server, lease_fork_server
 from .launching.start_methods import ZYGOTE
 from .pinning import DeviceRuntime, cuda_runtime_or_none

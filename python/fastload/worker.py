@@ -1,7 +1,7 @@
 """The worker process: take a task from the ring, make the batch in its slot.
 
 Runs in a process started by :mod:`fastload.pool` (forked from a zygote by
-default, see :mod:`fastload.launch`). It never touches an accelerator: the
+default, see :mod:`fastload.launching`). It never touches an accelerator: the
 pool hides them through the environment before anything here runs. The loop
 polls the ring with a timeout, so it notices shutdown and the death of the
 main process on its own.

@@ -1,7 +1,7 @@
 """The first code that runs in a fresh interpreter fastload starts.
 
-:func:`fastload.launching.launch.spawn` and
-:class:`fastload.launching.launch.Zygote` start ``python -c "import
+:func:`fastload.launching.spawn.spawn` and
+:class:`fastload.launching.zygote_client.Zygote` start ``python -c "import
 fastload.launching.boot as b; b.boot(FD)"``; :func:`boot` reads the child's
 *header* (a pickle the main side writes) from pipe ``FD`` and either becomes
 the zygote (:func:`fastload.launching.zygote.serve`) or runs a worker's

@@ -109,7 +109,8 @@ class PassedFd:
     def detach(self) -> int:
         receiving = getattr(_receiving, "fds", None)
         if receiving is None:
-            raise RuntimeError("fastload: a passed fd was unpickled outside fastload.crossing.unpack")
+            raise RuntimeError("fastload: a passed fd was unpickled outside "
+                               "fastload.launching.crossing.unpack")
         fd = receiving[self.index]
         if fd < 0:
             raise RuntimeError(f"fastload: passed fd {self.index} was detached twice")

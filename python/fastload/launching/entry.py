@@ -3,7 +3,7 @@
 A spawned worker (through :func:`fastload.launching.boot.boot`) and a worker
 a zygote forks (:mod:`fastload.launching.zygote`) both call :func:`run`
 with their *header*, a dict the main side pickled for them
-(:func:`fastload.launching.launch._header`). :func:`run` sets ``sys.path``,
+(:func:`fastload.launching.spawn.child_header`). :func:`run` sets ``sys.path``,
 ``sys.argv`` and the ``multiprocessing`` authkey as the parent has them
 (spawn's preparation data, without the main module), unpacks the entry
 point's argument and calls it. A child that fails before its loop runs
