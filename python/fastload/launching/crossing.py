@@ -47,6 +47,8 @@ from multiprocessing import context as mp_context
 from multiprocessing import reduction
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch  # noqa: F401 - registers torch.multiprocessing's reducers (_sharing_table)
+
 from .. import _pickling
 from ..errors import add_note
 from .start_methods import default_context, launcher_of
@@ -148,8 +150,6 @@ def _share_if_shared(reduce: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _sharing_table() -> Dict[type, Callable[[Any], Any]]:
     """ForkingPickler's reducers (multiprocessing's and torch's), with
     torch's limited to what is already shared."""
-    import torch  # noqa: F401 - registers torch.multiprocessing's reducers
-
     table = dict(reduction.ForkingPickler(io.BytesIO()).dispatch_table)
     for cls, reduce in list(table.items()):
         if getattr(reduce, "__module__", "").startswith("torch.multiprocessing"):
