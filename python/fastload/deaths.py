@@ -22,7 +22,7 @@ def exited_unseen(proc: Any) -> bool:
     never comes: this process ignores SIGCHLD (``SIG_IGN``), so the kernel
     reaped it and its status is lost. Its sentinel (the read end of a pipe
     only the worker held) says it is gone. False for fastload's own
-    :class:`~fastload.child.Child` handles, which learn their exit codes."""
+    :class:`~fastload.launching.child.Child` handles, which learn their exit codes."""
     sentinel = getattr(proc, "sentinel", None)
     if sentinel is None or signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN:
         return False

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from . import _core
 from .iterator import FastLoaderIter
-from .lineage import fork_server_pid as running_server_pid
+from .launching.lineage import fork_server_pid as running_server_pid
 from .loader import STATE_ATTR
 from .pool import WorkerPool
 

@@ -28,8 +28,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .iterator import FastLoaderIter
 from .autoscale import AUTO
+from .launching.lineage import ServerLease, lease_fork_server
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .lineage import ServerLease, lease_fork_server
 from .warm import LoaderState, release_lease
 
 __all__ = ["install", "uninstall", "installed"]

@@ -51,14 +51,15 @@ from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _core, crossing, resume
+from . import _core, resume
 from .autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
                         worker_cap)
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
+from .launching import crossing
+from .launching.start_methods import default_context
 from .ledger import Record, Role
 from .loader_stats import EpochMeter, loader_label
-from .lineage import default_context
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader

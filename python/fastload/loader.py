@@ -103,7 +103,7 @@ class FastLoader(DataLoader[T_co]):
     is None (DataLoader uses the platform default, ``fork`` on Linux) workers
     are forked from a zygote of the pool's own, a spawn-started process that
     imported torch and nothing of the training process (see
-    :mod:`fastload.launch`); ``'spawn'`` given explicitly is real spawn. What
+    :mod:`fastload.launching`); ``'spawn'`` given explicitly is real spawn. What
     plain pickle cannot send to a spawned worker (``__main__`` classes,
     lambdas, closures) is sent by value with cloudpickle.
     """

@@ -22,12 +22,16 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core, crossing, launch
+from . import _core
 from ._ring import FdHandle, RingHandle
 from .deaths import dump_stack, exited_unseen
-from .launch import Zygote
+from .launching import crossing
+from .launching.child import Child
+from .launching.lineage import Lineage
+from .launching.spawn import spawn
+from .launching.start_methods import launcher_of
+from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
-from .lineage import Lineage, launcher_of
 from .teardown import stop_pool
 from .wire import encode_session, hidden_env, recv_overflow, send_session
 from .worker import WorkerSpec, worker_main
@@ -157,7 +161,7 @@ class WorkerPool:
                     if self.lineage is not None:
                         p = self.lineage.fork(i, _WORKER_MAIN, parcel)
                     else:
-                        p = launch.spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
+                        p = spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
                 finally:
                     parcel.close()
         finally:
@@ -174,7 +178,7 @@ class WorkerPool:
         death watch (which keeps a duplicate). Where no pidfd can be had,
         :attr:`deaths_watched` turns False and the iterator polls instead."""
         p = self.procs[i]
-        fd = p.pidfd if isinstance(p, launch.Child) else None
+        fd = p.pidfd if isinstance(p, Child) else None
         owned: Optional[int] = None
         if fd is None:
             try:
@@ -208,7 +212,7 @@ class WorkerPool:
         if old.exitcode is None:
             old.kill()
         old.join(5.0)
-        if isinstance(old, launch.Child):
+        if isinstance(old, Child):
             old.close()
         self._collect_overflow(w)
         self.ring.reset_worker(w)
@@ -298,7 +302,7 @@ class WorkerPool:
                 log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
                 p.kill()
                 p.join(5.0)
-            if isinstance(p, launch.Child):
+            if isinstance(p, Child):
                 p.close()
         self._forget_workers_past(self.num_workers)  # num_workers="auto" shrank it
         for i in range(self.num_workers):
@@ -332,7 +336,7 @@ class WorkerPool:
                 log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
                 p.kill()
                 p.join(5.0)
-            if isinstance(p, launch.Child):
+            if isinstance(p, Child):
                 p.close()
             self._forget_workers_past(w)
         self.num_workers = n
@@ -406,7 +410,7 @@ class WorkerPool:
                                           preloaded=self.lineage.preloaded)
                 else:
                     if fd is None:
-                        fd = launch.memfd_of(parcel.data)
+                        fd = crossing.memfd_of(parcel.data)
                     self.ledger.make_free(1)
                     send_session(self._socks[w], [fd, *parcel.fds])
                     task = encode_session(base_seed, False, states[w])

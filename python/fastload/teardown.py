@@ -17,9 +17,10 @@ import socket
 import time
 from typing import Any, Dict, List, Sequence
 
-from . import _core, launch
+from . import _core
 from .deaths import exited_unseen
-from .launch import Zygote
+from .launching.child import Child
+from .launching.zygote_client import Zygote
 
 log = logging.getLogger("fastload")
 
@@ -81,7 +82,7 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
         except Exception:  # pragma: no cover
             pass
     for p in procs:
-        if isinstance(p, launch.Child):
+        if isinstance(p, Child):
             p.close()  # its pidfd and death-note pipe; its exit code stays readable
     close_fds(socks, overflow_fds, stack_fds, ring)
 

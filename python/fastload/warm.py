@@ -25,10 +25,11 @@ import torch
 
 from . import _core
 from .device import CudaStreamOps, StreamOps, resolve_device
-from .launch import Zygote
+from .launching.zygote_client import Zygote
+from .launching.lineage import ServerLease, fork_server, lease_fork_server
+from .launching.start_methods import ZYGOTE
 from .loader_stats import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .lineage import ZYGOTE, ServerLease, fork_server, lease_fork_server
 from .pool import WorkerPool
 
 log = logging.getLogger("fastload")

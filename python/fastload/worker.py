@@ -1,7 +1,7 @@
 """The worker process: take a task from the ring, make the batch in its slot.
 
 Runs in a process started by :mod:`fastload.pool` (forked from a zygote by
-default, see :mod:`fastload.launch`). It never touches an accelerator: the
+default, see :mod:`fastload.launching`). It never touches an accelerator: the
 pool hides them through the environment before anything here runs. The loop
 polls the ring with a timeout, so it notices shutdown and the death of the
 main process on its own.
@@ -105,7 +105,7 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
-    from .crossing import read_memfd
+    from .launching.crossing import read_memfd
 
     fds = recv_session_fds(sock)
     return read_memfd(fds[0]), fds[1:]
@@ -333,7 +333,7 @@ class _TaskLoop:
     def _new_session(self, task: Tuple[Any, ...]) -> _Session:
         """The session an OP_SESSION task starts, its objects taken from
         where the task says."""
-        from . import crossing, zygote
+        from .launching import crossing, zygote
 
         spec = self._spec
         if task[4] is not None:  # preloaded by the zygote that forked us

@@ -1,54 +1,14 @@
 """The zygote process: fastload's fork server, the side that forks.
 
-:class:`fastload.launch.Zygote` (in the main process) starts a fresh
-interpreter whose :func:`fastload.boot.boot` calls :func:`serve`. It imports
-torch (and what else it is told to preload), turns its garbage collector
-off, and then serves requests on its control socket until the main process
-closes it.
-
-The control socket is a ``SOCK_SEQPACKET`` pair; both sides of its protocol
-are defined here:
-
-* **Fork** (main → zygote): the worker's header (a pickle, so it starts
-  with ``b"\x80"``) with, by ``SCM_RIGHTS``, its death note's write end and
-  then its parcel's fds (at most :data:`MAX_FDS` in all). The zygote forks;
-  the child runs :func:`fastload.boot.run`; the zygote answers
-  :data:`STARTED` ``(b"S", pid)``.
-* **Preload** (main → zygote): :data:`PRELOAD_REQ` and a pickle of
-  ``{token, sys_path, sys_argv, authkey}``, with the session blob's memfd
-  and then the fds it refers to. The zygote answers :data:`UNPICKLING`
-  ``(b"p", token, 0)`` as it starts unpickling (the main side's time limit
-  starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
-  why, as text of at most :data:`WHY_MAX` bytes.
-* **Zygote** (main → fork server): :data:`ZYGOTE_REQ` with, by
-  ``SCM_RIGHTS``, one end of a new control socket and a death-note write
-  end. The server forks; the child drops the server's sockets and serves
-  the new socket as a zygote of its own (it shares everything the server
-  imported, and holds no session); the server answers :data:`STARTED`
-  with its pid, and reports its exit like a worker's.
-* **Import** (main → zygote): :data:`IMPORT_REQ` and a pickle of
-  ``{sys_path, modules}``: the zygote imports those modules (the ones that
-  define a loader's dataset, ``collate_fn``, sampler and
-  ``worker_init_fn``), so that neither the session it preloads later nor
-  the workers it forks pay for them. No answer; an import that fails is
-  left for the session to meet and report. An import that leaves threads,
-  a GPU context or open files in the zygote makes it unsafe to fork from:
-  its next preload answers :data:`TAINTED`.
-  After a preload that imported modules without harm (PRELOADED), the
-  zygote first sends :data:`MODULES` and a pickle of the names unpickling
-  imported, in order: the main side has the fork server import them too
-  (**Import**), so that the zygotes of later pools have them already.
-* **Forget** (main → zygote): :data:`FORGET_REQ`. The pool's workers are
-  retired: the zygote drops the session it holds (the next session sends
-  one anew). No answer.
-* **Exit report** (zygote → main, at any time): :data:`EXITED` ``(b"X",
-  pid, exit code)`` when a worker it forked has exited and been reaped.
-* The main process closing the socket (it stopped the zygote, or died):
-  the zygote kills and reaps its workers and exits. Zygotes it forked are
-  left alone: each ends when its own control socket closes.
+:class:`fastload.launching.zygote_client.Zygote` (in the main process)
+starts a fresh interpreter whose :func:`fastload.launching.boot.boot` calls
+:func:`serve`. It imports torch (and what else it is told to preload), turns
+its garbage collector off, and then serves requests on its control socket
+until the main process closes it. The requests it answers and the messages
+it sends are described in :mod:`fastload.launching.zygote_protocol`.
 
 One spawned interpreter is the *fork server* of the training process
-(:func:`fastload.lineage.fork_server`): it imports torch once, and every
+(:func:`fastload.launching.lineage.fork_server`): it imports torch once, and every
 pool's zygote is forked from it, so a second, third, tenth loader starts
 its workers in milliseconds instead of importing torch again.
 
@@ -65,40 +25,23 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
+import multiprocessing
 import os
 import pickle
 import select
 import signal
 import socket
-import struct
 import sys
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple
 
 from . import crossing
-from .boot import run
+from .entry import run
+from .zygote_protocol import (DECLINED, EXITED, FORGET_REQ, IMPORT_REQ, MAX_FDS, MODULES,
+                              MODULES_MAX, PRELOAD, PRELOAD_REQ, PRELOADED, STARTED, TAINTED,
+                              UNPICKLING, WHY_MAX, ZYGOTE_REQ)
 
-__all__ = ["serve", "preloaded", "PRELOADED", "DECLINED", "TAINTED", "LOST", "ZYGOTE_REQ",
-           "IMPORT_REQ"]
-
-# Messages on the control socket (see the module docstring).
-STARTED = struct.Struct("<ci")  # b"S", pid
-EXITED = struct.Struct("<cii")  # b"X", pid, exit code (negative: signal)
-MAX_FDS = 250  # SCM_RIGHTS carries at most 253 fds per message
-PRELOAD_REQ = b"P"  # a preload request; fork requests are pickles (b"\x80...")
-PRELOAD = struct.Struct("<cIB")  # b"P", token, outcome; then why, as text
-UNPICKLING = b"p"  # PRELOAD's shape: the zygote has begun unpickling session token
-FORGET_REQ = b"F"  # drop the session held
-ZYGOTE_REQ = b"Z"  # fork a zygote serving a control socket of its own
-IMPORT_REQ = b"I"  # import modules a loader's session will need
-WHY_MAX = 1000
-
-# Outcomes of a preload (fastload.launch.Zygote.preload).
-PRELOADED = 0  # the zygote holds the session: workers forked now inherit it
-DECLINED = 1  # it could not or should not hold it: workers unpickle their own
-TAINTED = 2  # as DECLINED, and unpickling left threads (or a GPU context) in
-#              the zygote: it is no longer safe to fork from
-LOST = 3  # the zygote died, or gave no answer in time (main side only)
+__all__ = ["serve", "preloaded"]
 
 # In a zygote: the session it preloaded, (token, objects); inherited by the
 # workers it forks. None when it holds none.
@@ -106,11 +49,6 @@ _preloaded: Optional[Tuple[int, Any]] = None
 # In a zygote: why it is no longer safe to fork from after an import request
 # ("" while it is), answered to its next preload.
 _import_taint = ""
-# zygote -> main, before a PRELOADED answer: a pickle of the modules the
-# preload's unpickling imported (in order, see _recording_imports), for the
-# fork server to import too.
-MODULES = b"M"
-MODULES_MAX = 1 << 20  # the largest message on the control socket
 
 
 def preloaded(token: int) -> Any:
@@ -170,7 +108,8 @@ def _preload(head: Dict[str, Any], fds: List[int],
              starting: Callable[[], Any]) -> Tuple[int, str, List[str]]:
     """In the zygote: drop the session held, unpickle the one sent (``fds``:
     its blob's memfd, then the fds it refers to; all ours to close) and hold
-    it, frozen, if workers may share it (see fastload.launch.Zygote.preload).
+    it, frozen, if workers may share it (see
+    fastload.launching.zygote_client.Zygote.preload).
     ``starting`` is called as unpickling starts (the caller's time limit
     starts then)."""
     global _preloaded
@@ -186,8 +125,6 @@ def _preload(head: Dict[str, Any], fds: List[int],
     outcome, why = DECLINED, ""
     imports: List[str] = []
     try:
-        import multiprocessing
-
         sys.path[:] = head["sys_path"]
         sys.argv[:] = head["sys_argv"]
         multiprocessing.current_process().authkey = head["authkey"]

@@ -47,8 +47,11 @@ from multiprocessing import context as mp_context
 from multiprocessing import reduction
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _pickling
-from .errors import add_note
+import torch  # noqa: F401 - registers torch.multiprocessing's reducers (_sharing_table)
+
+from .. import _pickling
+from ..errors import add_note
+from .start_methods import default_context, launcher_of
 
 log = logging.getLogger("fastload")
 
@@ -108,7 +111,8 @@ class PassedFd:
     def detach(self) -> int:
         receiving = getattr(_receiving, "fds", None)
         if receiving is None:
-            raise RuntimeError("fastload: a passed fd was unpickled outside fastload.crossing.unpack")
+            raise RuntimeError("fastload: a passed fd was unpickled outside "
+                               "fastload.launching.crossing.unpack")
         fd = receiving[self.index]
         if fd < 0:
             raise RuntimeError(f"fastload: passed fd {self.index} was detached twice")
@@ -146,8 +150,6 @@ def _share_if_shared(reduce: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _sharing_table() -> Dict[type, Callable[[Any], Any]]:
     """ForkingPickler's reducers (multiprocessing's and torch's), with
     torch's limited to what is already shared."""
-    import torch  # noqa: F401 - registers torch.multiprocessing's reducers
-
     table = dict(reduction.ForkingPickler(io.BytesIO()).dispatch_table)
     for cls, reduce in list(table.items()):
         if getattr(reduce, "__module__", "").startswith("torch.multiprocessing"):
@@ -251,8 +253,6 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     DataLoader's default on Linux is fork, so fastload does what DataLoader
     does for this dataset, and says so once per loader
     (``state.warned_fork``)."""
-    from .lineage import default_context, launcher_of
-
     if launcher_of(ctx) is None:
         return None, ctx, payload
     try:

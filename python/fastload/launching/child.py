@@ -1,7 +1,8 @@
 """A handle on a worker process that fastload started itself.
 
-:class:`Child` stands for a worker started by :func:`fastload.launch.spawn`
-or forked by a :class:`fastload.launch.Zygote`, in the main process. It
+:class:`Child` stands for a worker started by
+:func:`fastload.launching.spawn.spawn` or forked by a
+:class:`fastload.launching.zygote_client.Zygote`, in the main process. It
 quacks like ``multiprocessing.Process`` where the pool needs it: ``pid``,
 ``exitcode`` (negative for a signal), ``is_alive()``, ``join()``,
 ``terminate()``, ``kill()``. A spawned child is watched through its
@@ -10,7 +11,7 @@ zygote that reaped it.
 
 It also reads the child's *death note*: a child that fails before its loop
 runs (an import error, an unpicklable spec) writes its traceback to a pipe
-(:func:`fastload.boot.run`), at most :data:`NOTE_MAX` bytes of it, and the
+(:func:`fastload.launching.entry.run`), at most :data:`NOTE_MAX` bytes of it, and the
 main process quotes it in the error instead of "details are lost".
 """
 
@@ -21,21 +22,33 @@ import select
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
-if TYPE_CHECKING:
-    from .launch import Zygote
-
-__all__ = ["Child", "NOTE_MAX", "note_pipe"]
+__all__ = ["Child", "ExitReports", "NOTE_MAX", "note_pipe"]
 
 NOTE_MAX = 1 << 16  # the most of a death note that is kept
+
+
+class ExitReports(Protocol):
+    """What a :class:`Child` forked by a zygote asks of it: the exit codes
+    it reports for the processes it reaped (a
+    :class:`fastload.launching.zygote_client.Zygote` is one)."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the zygote still runs (and so can still report)."""
+        ...
+
+    def exit_code(self, pid: int, wait: float = 0.0) -> Optional[int]:
+        """The exit code reported for ``pid``, waiting up to ``wait`` s for it."""
+        ...
 
 
 class Child:
     """A worker process started by fastload (spawned or forked by a zygote)."""
 
     def __init__(self, pid: int, note_fd: int, popen: Optional[subprocess.Popen] = None,
-                 zygote: Optional["Zygote"] = None) -> None:
+                 zygote: Optional[ExitReports] = None) -> None:
         self.pid = pid
         self._popen = popen
         self._zygote = zygote

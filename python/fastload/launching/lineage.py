@@ -1,12 +1,12 @@
-"""Where a pool's workers come from: the start method, the fork server, the zygotes.
+"""Where a zygote pool's workers come from: the fork server and the zygotes.
 
-``multiprocessing_context=None`` (the default) means workers forked from a
-zygote of the pool's own (:class:`fastload.launch.Zygote`), itself forked
-in milliseconds from the training process's *fork server*: one fresh
-interpreter that imports torch once (:func:`fork_server`), so that only the
-first loader of a training process waits for torch's import. An explicit
-``'spawn'`` is real spawn, and ``'fork'`` forks this process, as DataLoader
-does. A :class:`Lineage` is the zygote side of one pool: the zygotes it has
+``multiprocessing_context=None`` (the default, see
+:mod:`fastload.launching.start_methods`) means workers forked from a zygote
+of the pool's own (:class:`fastload.launching.zygote_client.Zygote`),
+itself forked in milliseconds from the training process's *fork server*:
+one fresh interpreter that imports torch once (:func:`fork_server`), so that
+only the first loader of a training process waits for torch's import. A
+:class:`Lineage` is the zygote side of one pool: the zygotes it has
 started (one is replaced when it dies, gets stuck unpickling a session, or
 is left with threads in it), and the session the current one holds, so
 that workers forked from it share that session's pages copy-on-write
@@ -20,35 +20,15 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
-from . import crossing, launch
-from .launch import Zygote
-from .wire import hidden_env
+from ..wire import hidden_env
+from . import crossing
+from .child import Child
+from .zygote_client import Zygote
+from .zygote_protocol import DECLINED, PRELOADED
 
 log = logging.getLogger("fastload")
-
-ZYGOTE = "fastload-zygote"
-"""The context that stands for ``multiprocessing_context=None``."""
-
-
-def default_context() -> Any:
-    """What ``multiprocessing_context=None`` runs on."""
-    return ZYGOTE
-
-
-def launcher_of(ctx: Any) -> Optional[str]:
-    """'zygote' or 'spawn' when fastload starts the workers itself (they then
-    never run ``__main__``), None for a multiprocessing context that forks
-    from this process (workers inherit the dataset, as DataLoader's)."""
-    if ctx == ZYGOTE:
-        return "zygote"
-    method = ctx if isinstance(ctx, str) else ctx.get_start_method()
-    if method == "spawn":
-        return "spawn"
-    if method == "forkserver":  # a fork server that imports nothing of __main__
-        return "zygote"
-    return None
 
 
 class _ForkServers:
@@ -169,9 +149,10 @@ def fork_server_pid(hide_accelerators: bool) -> Optional[int]:
 
 
 def start_zygote(hide_accelerators: bool) -> Zygote:
-    """A zygote for one pool, forked from the fork server (see launch.Zygote):
-    milliseconds once the server is ready. If the server cannot fork it (it
-    died just now), a new server is started and asked once more."""
+    """A zygote for one pool, forked from the fork server (see
+    zygote_client.Zygote.fork_zygote): milliseconds once the server is
+    ready. If the server cannot fork it (it died just now), a new server is
+    started and asked once more."""
     try:
         return fork_server(hide_accelerators).fork_zygote()
     except RuntimeError:
@@ -216,7 +197,7 @@ class Lineage:
             self.zygotes.append(start_zygote(self._hide))
         return self.current
 
-    def fork(self, worker: int, target: str, parcel: crossing.Parcel) -> launch.Child:
+    def fork(self, worker: int, target: str, parcel: crossing.Parcel) -> Child:
         """Fork worker ``worker`` running ``target(parcel)`` from the current zygote."""
         zygote = self._live()
         child = zygote.start(target, parcel)
@@ -247,7 +228,7 @@ class Lineage:
         zygote = self._live()
         zygote.session_imports = []
         outcome, why = zygote.preload(parcel, number, timeout)
-        if outcome == launch.PRELOADED:
+        if outcome == PRELOADED:
             self.preloaded, self._holder = number, zygote
             if zygote.session_imports and zygote.server is not None:
                 # Imported without harm here: the fork server imports them
@@ -258,9 +239,9 @@ class Lineage:
         # The dataset is the same next epoch: don't pay its unpickling in
         # the zygote again. Each worker unpickles its own copy.
         self._ok = False
-        level = logging.DEBUG if outcome == launch.DECLINED else logging.WARNING
+        level = logging.DEBUG if outcome == DECLINED else logging.WARNING
         log.log(level, "fastload: workers unpickle the dataset themselves "
                        "(not shared through the zygote): %s", why)
-        if outcome != launch.DECLINED:
+        if outcome != DECLINED:
             zygote.stop()
             self.zygotes.append(start_zygote(self._hide))

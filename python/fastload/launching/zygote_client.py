@@ -1,48 +1,27 @@
-"""Starting worker processes that never run the training script (main side).
+"""A zygote as the main process sees it: start one, have it fork workers.
 
-``multiprocessing``'s spawn and forkserver start a child by re-importing the
-parent's ``__main__`` (the script, as ``__mp_main__``): a script without an
-``if __name__ == "__main__":`` guard then runs its top-level code once per
-worker, and a worker that builds a loader there dies with "An attempt has been
-made to start a new process before the current process has finished its
-bootstrapping phase". fastload's workers need nothing from ``__main__``:
-everything they use travels by value (:mod:`fastload.crossing`). So fastload
-starts them itself, with two launchers:
+:class:`Zygote` starts a fresh interpreter, as :mod:`fastload.launching.spawn`
+starts one (in a process group of its own, never running ``__main__``),
+that imports torch once and then forks a worker per request: a fork server
+of fastload's own. The process itself runs :mod:`fastload.launching.zygote`;
+the two talk as :mod:`fastload.launching.zygote_protocol` says. Workers
+share torch's pages and start in milliseconds; like spawned ones they
+inherit nothing from the training process. A zygote can also *preload* a
+session (:meth:`Zygote.preload`): it unpickles the session's ``(dataset,
+collate_fn, ...)`` once, and the workers forked afterwards inherit it,
+sharing its pages copy-on-write as forked DataLoader workers share the
+training process's (the garbage collector, off in the zygote, freezes what a
+worker inherits: ``gc.freeze()``). :meth:`Zygote.fork_zygote` forks another
+zygote from one in milliseconds: the training process's fork server makes
+each pool's zygote so (:mod:`fastload.launching.lineage`).
 
-* :func:`spawn` — a fresh interpreter (``python -c``) that runs
-  :func:`fastload.boot.boot`: it reads the worker's header from a pipe, sets
-  ``sys.path`` and ``sys.argv`` as the parent has them, and calls the
-  worker's entry point. Real spawn: nothing is inherited but the fds named
-  in the header.
-* :class:`Zygote` — one such interpreter that imports torch once and then
-  forks a worker per request (a fork server of fastload's own; the process
-  itself runs :mod:`fastload.zygote`). Workers share torch's pages and start
-  in milliseconds; like spawned ones they inherit nothing from the training
-  process. A zygote can also *preload* a session (:meth:`Zygote.preload`):
-  it unpickles the session's ``(dataset, collate_fn, ...)`` once, and the
-  workers forked afterwards inherit it, sharing its pages copy-on-write as
-  forked DataLoader workers share the training process's (the garbage
-  collector, off in the zygote, freezes what a worker inherits:
-  ``gc.freeze()``).
-
-Both put the child in a process group of its own: Ctrl-C at the terminal
-goes to the foreground process group, so to the training process alone, which
-raises KeyboardInterrupt and stops the workers, and no SIGINT has to be
-blocked or ignored in the training process while a worker starts. The child
-stays in the training process's session (no ``setsid``), as DataLoader's
-workers do: where the kernel groups the scheduler's fair share by session
-(``sched_autogroup``, on in most distributions' kernels), the workers and the
-training process share one group, as with DataLoader, rather than the workers
-being a group of their own that busy neighbours in other sessions squeeze to
-its even share. Workers end when the training process does (see
-``worker._MainWatch``).
-
-Both return a :class:`fastload.child.Child`, a handle that quacks like
-``multiprocessing.Process`` and reads the child's death note.
+A worker it forks is a :class:`fastload.launching.child.Child`, a handle that
+quacks like ``multiprocessing.Process`` and reads the child's death note.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import select
@@ -51,79 +30,19 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import crossing
 from .child import Child, note_pipe
 from .crossing import memfd_of
-from .zygote import (DECLINED, EXITED, FORGET_REQ, LOST, MAX_FDS, PRELOAD, PRELOAD_REQ,
-                     PRELOADED, STARTED, TAINTED, UNPICKLING, ZYGOTE_REQ, IMPORT_REQ,
-                     MODULES, MODULES_MAX)
+from .spawn import OWN_PROCESS_GROUP, ZYGOTE_BOOT_COMMAND, child_env, child_header
+from .zygote_protocol import (DECLINED, EXITED, FORGET_REQ, IMPORT_REQ, LOST, MAX_FDS, MODULES,
+                              MODULES_MAX, PRELOAD, PRELOAD_REQ, STARTED, UNPICKLING, ZYGOTE_REQ)
 
-__all__ = ["Child", "Zygote", "spawn", "memfd_of", "ZYGOTE_PRELOAD",
-           "PRELOADED", "DECLINED", "TAINTED", "LOST"]
+__all__ = ["Zygote", "ZYGOTE_PRELOAD"]
 
 # What the zygote imports before it forks.
 ZYGOTE_PRELOAD = ("torch", "fastload.worker")
-
-# The child leads a process group of its own (``setpgid(0, 0)`` before exec).
-# 3.10's Popen has no ``process_group``; ``os.setpgrp`` is one system call.
-_OWN_GROUP: Dict[str, Any] = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
-
-_BOOT = "import fastload.boot as b; b.boot({fd})"
-_ZYGOTE_BOOT = _BOOT + "  # fastload zygote"  # told apart from workers in process lists
-
-
-def _header(target: str, note_fd: int, parcel: crossing.Parcel) -> bytes:
-    """What a child needs before anything else: the parent's import path and
-    argv (spawn's preparation data, without the main module), the entry
-    point, the death-note fd and the parcel's fd numbers."""
-    import multiprocessing
-
-    me = multiprocessing.current_process()
-    return pickle.dumps({
-        "sys_path": list(sys.path),
-        "sys_argv": list(sys.argv),
-        "authkey": bytes(me.authkey),
-        "target": target,
-        "note_fd": note_fd,
-        "fds": list(parcel.fds),
-        "data": parcel.data,
-    }, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _child_env(env: Optional[Mapping[str, str]]) -> Dict[str, str]:
-    out = dict(os.environ)
-    if env:
-        out.update(env)
-    return out
-
-
-def spawn(target: str, parcel: crossing.Parcel, env: Optional[Mapping[str, str]] = None) -> Child:
-    """Start ``target(unpacked parcel)`` (``"module:function"``) in a fresh
-    interpreter; ``env`` is overlaid on this process's environment."""
-    note_r, note_w = note_pipe()
-    r, w = os.pipe()
-    try:
-        header = _header(target, note_w, parcel)
-        popen = subprocess.Popen(
-            [sys.executable, "-c", _BOOT.format(fd=r)],
-            pass_fds=(r, note_w, *parcel.fds), env=_child_env(env), **_OWN_GROUP,
-        )
-    except BaseException:
-        for fd in (r, w, note_r, note_w):
-            os.close(fd)
-        raise
-    os.close(r)
-    os.close(note_w)
-    child = Child(popen.pid, note_r, popen=popen)
-    try:
-        with os.fdopen(w, "wb") as f:
-            f.write(header)
-    except BrokenPipeError:  # it died at once; its exit code says the rest
-        pass
-    return child
 
 
 class Zygote:
@@ -150,8 +69,8 @@ class Zygote:
                                    "ctl": theirs.fileno(), "sys_path": list(sys.path),
                                    "note_fd": note_w}, protocol=pickle.HIGHEST_PROTOCOL)
             popen = subprocess.Popen(
-                [sys.executable, "-c", _ZYGOTE_BOOT.format(fd=r)],
-                pass_fds=(r, theirs.fileno(), note_w), env=_child_env(env), **_OWN_GROUP,
+                [sys.executable, "-c", ZYGOTE_BOOT_COMMAND.format(fd=r)],
+                pass_fds=(r, theirs.fileno(), note_w), env=child_env(env), **OWN_PROCESS_GROUP,
             )
         except BaseException:
             for fd in (r, w, note_r, note_w):
@@ -178,7 +97,7 @@ class Zygote:
         # Forked on a request whose answer was not read yet: (ticket, note fd).
         self._pending = pending
         self.server = server  # the zygote this one was forked from, if any
-        # The modules its last preload imported (fastload.zygote's MODULES).
+        # The modules its last preload imported (zygote_protocol's MODULES).
         self.session_imports: List[str] = []
         # Requests answered by STARTED are numbered (tickets) in the order
         # sent; answers come in that order and are filed by ticket, so a
@@ -240,7 +159,7 @@ class Zygote:
 
     def warm_imports(self, modules: Sequence[str]) -> None:
         """Have the zygote import ``modules`` now, in the background (see
-        fastload.zygote's IMPORT_REQ); no answer is read."""
+        zygote_protocol's IMPORT_REQ); no answer is read."""
         if not modules:
             return
         msg = IMPORT_REQ + pickle.dumps({"sys_path": list(sys.path), "modules": list(modules)},
@@ -278,7 +197,7 @@ class Zygote:
         zygote to be ready (Ctrl-C interrupts the wait)."""
         note_r, note_w = note_pipe()
         try:
-            header = _header(target, -1, parcel)
+            header = child_header(target, -1, parcel)
             fds = [note_w, *parcel.fds]
             if len(fds) > MAX_FDS:
                 raise ValueError(f"fastload: a worker's start-up needs {len(fds)} fds; "
@@ -316,15 +235,13 @@ class Zygote:
         """Have the zygote unpickle session ``parcel`` (as :func:`crossing.
         unpack` in a worker would) and hold it as session ``token``, in place
         of the one it held; the workers it forks from then on inherit it
-        (:func:`fastload.zygote.preloaded`). Returns the outcome (PRELOADED, DECLINED,
+        (:func:`fastload.launching.zygote.preloaded`). Returns the outcome (PRELOADED, DECLINED,
         TAINTED, or LOST: the zygote died or did not answer within
         ``timeout`` seconds) and, unless PRELOADED, why. Waits for the zygote
         to be ready (Ctrl-C interrupts the wait)."""
         fds = [-1, *parcel.fds]
         if len(fds) > MAX_FDS:
             return DECLINED, f"the session holds {len(fds) - 1} fds; at most {MAX_FDS - 1} can be passed"
-        import multiprocessing
-
         me = multiprocessing.current_process()
         head = PRELOAD_REQ + pickle.dumps({
             "token": token, "sys_path": list(sys.path), "sys_argv": list(sys.argv),

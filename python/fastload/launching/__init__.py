@@ -1,0 +1,46 @@
+"""Starting fastload's processes: spawned workers, zygotes, the fork server.
+
+Everything that starts a process for fastload, or runs first in one it
+started, lives in this package. The pool that owns a loader's workers
+(:mod:`fastload.pool`, stopped by :mod:`fastload.teardown`) and the worker
+loop (:mod:`fastload.worker`) use it from outside; nothing here imports
+them. From the rest of fastload the package imports only
+:mod:`fastload._pickling`, :mod:`fastload.errors` and :mod:`fastload.wire`.
+docs/design.md, "Starting workers", tells the story these modules implement.
+
+The modules, in dependency order: each imports only modules listed before
+it, at the top of the file, so the package has no import cycle
+(tests/test_imports.py checks both). This file imports none of them: a
+caller imports the module it needs. Where each runs: *main* is the
+training process, *child* a process fastload started (the fork server, a
+zygote, a worker).
+
+1. ``start_methods`` (main): which launcher a loader's
+   ``multiprocessing_context`` stands for: the zygote (the default, and
+   ``'forkserver'``), spawn, or ``multiprocessing`` forking this process.
+2. ``zygote_protocol`` (both): the messages on a zygote's control socket
+   and the outcomes of a preload, shared by its two ends.
+3. ``child`` (main): :class:`~fastload.launching.child.Child`, the handle
+   on a worker fastload started; it quacks like ``multiprocessing.Process``
+   and quotes the worker's death note.
+4. ``crossing`` (both): objects pickled for another process, with the fds
+   of what stays shared (DataLoader's sharing semantics); a session's
+   bytes in a memfd; packing a loader's session for its start method.
+5. ``entry`` (child): what every child runs first: set up as its parent
+   asked, call its entry point, leave a death note if that fails.
+6. ``zygote`` (child): the zygote process (the fork server is one): its
+   serve loop, forking workers and zygotes, preloading a session, importing
+   a loader's modules ahead.
+7. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
+   the header from a pipe, then become a zygote or run a worker.
+8. ``spawn`` (main): starting a fresh interpreter that never runs
+   ``__main__`` (real spawn), and what every such start shares: the
+   header, the environment, a process group of the child's own.
+9. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
+   a zygote as the main process sees it: started as a fresh interpreter,
+   asked to fork workers and zygotes, to preload a session, to stop.
+10. ``lineage`` (main): the training process's fork servers and the leases
+    that keep them running, and
+    :class:`~fastload.launching.lineage.Lineage`, the zygotes one pool
+    forks its workers from and the session the current one holds.
+"""
