@@ -6,6 +6,7 @@ Structure and bounded ratios only, never time: one small round of each."""
 from __future__ import annotations
 
 import io
+from typing import Any, Dict
 
 import pytest
 
@@ -81,3 +82,21 @@ def test_first_minutes_times_every_loader_and_a_second_loader_starts_warm():
     assert second["fastload"] < 0.5 * second["spawn"], second
     text = first_minutes.report_lines(res)
     assert all(first_minutes.LABELS[w] in text for w in first_minutes.MEASURES)
+
+
+def test_auto_workers_table_judges_against_the_best_fixed_count() -> None:
+    from fastload.bench.auto_workers import report_lines
+
+    def m(rate: float, workers: float, step: Any = None) -> Dict[str, Any]:
+        return {"rate": rate, "workers": workers, "step_ms": step}
+
+    res = {"rounds": 2, "seconds": 6.0, "tables": {
+        "io": {"median": {"1": m(190, 1), "2": m(380, 2), "16": m(2900, 16), "32": m(5500, 32),
+                          "auto": m(5200, 31)}},
+        "cpu": {"median": {"1": m(900, 1, 5.0), "2": m(1000, 2, 5.4), "auto": m(850, 1, 5.1)}},
+    }}
+    text = report_lines(res)
+    assert "0.95x the best fixed count (32) (>= 0.9x ok)" in text
+    assert "13.7x num_workers=2 (>= 3x ok)" in text
+    assert "0.85x the best fixed count (2) (>= 0.9x MISS)" in text
+    assert "-5.6% against the best count's (<= +5% ok)" in text

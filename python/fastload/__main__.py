@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 # Options of `run` that take a value: the script's own arguments start at
 # the first word that is neither one of these (nor its value) nor a flag.
 _VALUE_OPTIONS = ("--hang-timeout", "--held-batches", "--slot-bytes", "--max-worker-restarts",
-                  "--device")
+                  "--device", "--num-workers")
 
 
 def _seconds_or_none(text: str) -> Optional[float]:
@@ -52,6 +52,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse-workers", dest="reuse_workers", action="store_false",
                    help="start new worker processes every epoch")
     p.add_argument("--allow-gpu-in-workers", action="store_true")
+    p.add_argument("--num-workers", choices=["auto"],
+                   help="'auto': fastload chooses every loader's worker count as it runs")
     p.add_argument("--report", action="store_true",
                    help="when the script ends, print a table per loader (to stderr): how long "
                         "the loop waited for batches and what bounded it")

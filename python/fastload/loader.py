@@ -63,9 +63,23 @@ class FastLoader(DataLoader[T_co]):
     """Drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
     Takes exactly DataLoader's arguments, with the same defaults and errors,
-    plus keyword-only options:
+    plus ``num_workers="auto"`` and keyword-only options:
 
     Args:
+        num_workers: as DataLoader's, or ``"auto"``: fastload chooses the
+            count and keeps choosing it between batches (see
+            :mod:`fastload.autoscale`): it starts from half the cores (2 to
+            8; ``loader.num_workers`` says which), adds workers while the
+            loop waits and the workers are busy, as many as the cores the
+            loop leaves can run (workers that wait on I/O take little CPU, so
+            the count can go well past the cores), and retires idle ones.
+            Every index still comes once per epoch in the sampler's order,
+            and each new worker is seeded and ``worker_init_fn``-ed as a
+            fresh DataLoader worker; which worker makes which batch changes
+            with the count, so values drawn from worker RNG differ from a
+            fixed-count run. An IterableDataset keeps the count it starts
+            with (its replicas shard by it). ``stats().workers`` tells the
+            count in use.
         allow_gpu_in_workers: do not hide CUDA/ROCm devices from workers
             (by default ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` and
             ``ROCR_VISIBLE_DEVICES`` are set empty in their environment).
@@ -271,13 +285,9 @@ def stats(loader: DataLoader) -> Optional[LoaderStats]:
 
 
 def _is_auto(num_workers: Any) -> bool:
-    """``num_workers="auto"``; any other string is refused in DataLoader's words."""
-    if isinstance(num_workers, str):
-        if num_workers == AUTO:
-            return True
-        raise ValueError(f"num_workers option should be non-negative or 'auto'; got "
-                         f"{num_workers!r}")
-    return False
+    """``num_workers="auto"``; any other string goes to DataLoader, which
+    refuses it in its own words."""
+    return isinstance(num_workers, str) and num_workers == AUTO
 
 
 def _is_index(value: Any) -> bool:

@@ -179,7 +179,7 @@ class Supervisor:
         if self.hang_timeout is None:
             return
         now = time.monotonic()
-        for w in range(self._pool.num_workers):
+        for w in range(len(self._pool.procs)):  # retiring ones too, while they hold tasks
             seq = self._in_hand(w)
             if seq is None:  # no work for it: it cannot be late
                 self._stall.pop(w, None)
@@ -242,7 +242,7 @@ def restart_session(pool: WorkerPool, blob: Any, base_seed: int, book: resume.Re
     snapshot = book.made[worker]
     if finished:
         snapshot = reader.peek_snapshot(max(finished, key=lambda r: r.idx))
-    states: List[Any] = [None] * pool.num_workers
+    states: List[Any] = [None] * pool.capacity
     if snapshot is not None:
         states[worker] = (tuple(resume.decode(snapshot)), 0)
     return pool.start_session(blob, base_seed, [worker], resume=states)[0]

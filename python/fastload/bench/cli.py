@@ -10,8 +10,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import (copy_on_read, first_epoch, first_minutes, h2d, measure, report, resume_cost,
-               stats_cost)
+from . import (auto_workers, copy_on_read, first_epoch, first_minutes, h2d, measure, report,
+               resume_cost, stats_cost)
 from .evaluate import evaluate
 from .workloads import WORKLOADS, Workload, cache_root, missing_needs, timed_prepare, user_workload
 
@@ -32,7 +32,7 @@ MAX_STEADY = 5
 # busy-looping process per core running beside each run.
 UNDER_LOAD = ("oversubscribed", "neighbour")
 # The tables after the main one (--extras); 'h2d' by default only with a GPU.
-EXTRAS = ("memory", "first-epoch", "first-minutes", "h2d")
+EXTRAS = ("memory", "first-epoch", "first-minutes", "auto-workers", "h2d")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -317,6 +317,10 @@ def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
         got["first_minutes"] = b.step(
             "first minutes: first batches and short epochs, 8 workers",
             lambda: first_minutes.measure_first_minutes(rounds=a.rounds, workers=8))
+    if "auto-workers" in a.extras:
+        got["auto_workers"] = b.step(
+            "num_workers='auto' against fixed counts, io and cpu datasets",
+            lambda: auto_workers.measure_auto_workers(rounds=a.rounds))
     if "h2d" in a.extras:
         if h2d.cuda_present():
             got["h2d"] = b.step("host to device, pinned", lambda: h2d.measure_h2d(
@@ -378,6 +382,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
         out.write(first_epoch.report_lines(extras["first_epoch"]))
     if "first_minutes" in extras:
         out.write(first_minutes.report_lines(extras["first_minutes"]))
+    if "auto_workers" in extras:
+        out.write(auto_workers.report_lines(extras["auto_workers"]))
     if "h2d" in extras:
         out.write(h2d.report_lines(extras["h2d"]))
     return res
