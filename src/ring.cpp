@@ -347,7 +347,7 @@ void Ring::shutdown() {
     bump_release(q.doorbell);
     sync::futex_wake_all(&q.doorbell);
   }
-  // Bump the word before waking, as commit() does: a waiter in wait_main()
+  // Bump the word before waking, as commit() does: a waiter in wait_any() or wait_ready()
   // on another thread that checked `shutdown` just before the store above
   // then fails its futex_wait(completions, seen) instead of sleeping through
   // this wake-up until its timeout.

@@ -131,7 +131,7 @@ CommitResult Ring::commit(const TaskRef& t, const SlotResult& r) {
     bump_release(worker(w).progress);
   }
   bump_release(hdr_->completions);
-  // Dekker with wait_main(): the completion before the `main_waiting` load.
+  // Dekker with wait_any() and wait_ready(): the completion before the `main_waiting` load.
   full_fence();
   if (load_relaxed(hdr_->main_waiting) != 0) sync::futex_wake_all(&hdr_->completions);
   return CommitResult::Committed;

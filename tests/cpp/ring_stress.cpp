@@ -425,7 +425,7 @@ volatile sig_atomic_t g_sigchld = 0;
 void on_sigchld(int) { g_sigchld = 1; }
 
 // A SIGCHLD handler without SA_RESTART while process workers run: a dying
-// worker interrupts main's futex wait (the Interrupted path of wait_main).
+// worker interrupts main's futex wait (the Interrupted path of wait_any).
 class SigchldScope {
  public:
   SigchldScope() {

@@ -219,7 +219,7 @@ class _Bench:
         self.side_by_side = not a.quick and a.workers > 1  # the N-process limit (skipped by --quick)
         per_limits = 1 + len(self.chosen) * (2 if self.side_by_side else 1)
         total = (len([w for w in self.chosen if w.prepare]) + (1 if a.quick else 2) * per_limits
-                 + 2 * a.rounds * len(self.chosen) * len(self.states) + 2 + len(a.extras))
+                 + 2 * a.rounds * len(self.chosen) * len(self.states) + 3 + len(a.extras))
         self.prog = Progress(total, sys.stderr, enabled=a.json != "-")
 
     def step(self, label: str, fn: Any) -> Any:
