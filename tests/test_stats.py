@@ -275,3 +275,11 @@ def test_run_report_prints_a_table_when_the_script_ends(tmp_path: Any) -> None:
         in out.stderr
     rows = [line for line in out.stderr.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert len(rows) == 2, out.stderr
+    # --num-workers auto: every loader's count is fastload's to choose
+    out = subprocess.run([sys.executable, "-m", "fastload", "run", "--report", "--num-workers",
+                          "auto", str(script)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "DataLoader(TensorDataset, num_workers='auto', batch_size=8)" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "fastload", "run", "--num-workers", "3",
+                          str(script)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "invalid choice" in out.stderr
