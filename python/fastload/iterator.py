@@ -65,7 +65,7 @@ from .process_state import ProcessState
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
 from .warm import LoaderState
-from .wire import FLAG_OVERFLOW, KIND_DATA, KIND_EXHAUSTED, encode_fetch
+from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
 log = logging.getLogger("fastload")
 
@@ -327,7 +327,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         rec = self._ledger.wait(wait)
         if rec is not None:
-            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == KIND_DATA:
+            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == Kind.DATA:
                 self._meter.made(rec.worker, rec.make_ns, rec.idx, rec.index)
             return rec
         self._check(needed)
@@ -415,7 +415,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
             got = self._receive_one(deadline, rec if self._in_order else None)
             self._tasks_outstanding -= 1
-            if got.kind == KIND_EXHAUSTED:
+            if got.kind == Kind.EXHAUSTED:
                 self._ledger.discard(got)
                 if self._task_info.get(got.idx) is got:
                     del self._task_info[got.idx]

@@ -58,7 +58,7 @@ class Record:
         self.idx = idx
         self.index = index
         self.task = task
-        self.kind = -1  # the result kind, once done
+        self.kind = -1  # once done: the result's Kind, maybe with FLAG_OVERFLOW (fastload.wire)
         self.done = False
         self.make_ns = 0  # once done: what its worker says making it took
 

@@ -25,7 +25,7 @@ from .batch_format import DTYPES, META_WITH_TABLES
 from .capture import split_trailer
 from .errors import add_note, as_list, short_list
 from .ledger import Record, SlotLedger
-from .wire import FLAG_OVERFLOW, KIND_ERROR
+from .wire import FLAG_OVERFLOW, Kind
 
 
 class SlotReader:
@@ -57,7 +57,7 @@ class SlotReader:
         kind, data_len, meta_off, meta_len, _make_ns = ring.result(rec.slot)
         self.snapshot = None
         self.copied = False
-        if kind == KIND_ERROR:
+        if kind == Kind.ERROR:
             try:
                 error, self.snapshot = split_trailer(self._bytes(rec.slot, meta_len))
                 wrapper = pickle.loads(error)

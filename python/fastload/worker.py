@@ -30,8 +30,8 @@ from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
 from .capture import trailer as resume_trailer
 from ._ring import FdHandle, RingHandle
-from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED,
-                   OP_SESSION, STACK_SIGNAL, decode_task, recv_session_fds, send_overflow)
+from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
+                   decode_task, recv_session_fds, send_overflow)
 
 _POLL_S = 0.5
 
@@ -321,51 +321,50 @@ class _TaskLoop:
                 break
             start = slot * slot_bytes
             task = decode_task(mv[start : start + task_len])
-            if task[0] == OP_SESSION:
+            if isinstance(task, SessionTask):
                 self._session = None  # drop the old replica before unpickling the new one
                 self._session = self._new_session(task)
-                ring.commit(slot, KIND_DATA, 0, 0, 0)
+                ring.commit(slot, Kind.DATA, 0, 0, 0)
                 continue
-            _op, epoch, batch_idx, index = task
             assert self._session is not None, "fastload: a fetch task before any session"
-            self._fetch(self._session, slot, seq, epoch, batch_idx, index, time.perf_counter_ns())
+            self._fetch(self._session, slot, seq, task, time.perf_counter_ns())
 
-    def _new_session(self, task: Tuple[Any, ...]) -> _Session:
-        """The session an OP_SESSION task starts, its objects taken from
-        where the task says."""
+    def _new_session(self, task: SessionTask) -> _Session:
+        """The session a session task starts, its objects taken from where
+        the task says."""
         from .launching import crossing, zygote
 
         spec = self._spec
-        if task[4] is not None:  # preloaded by the zygote that forked us
-            load = functools.partial(zygote.preloaded, task[4])
-        elif task[2]:  # inherited at fork from the training process
+        if task.preloaded is not None:  # preloaded by the zygote that forked us
+            load = functools.partial(zygote.preloaded, task.preloaded)
+        elif task.inherited:  # inherited at fork from the training process
             load = lambda: spec.session  # noqa: E731
         else:
             blob, fds = recv_session(spec.sock)
             load = functools.partial(crossing.unpack, blob, fds)
-        return _Session(load, task[1], spec.worker_id, spec.num_workers, self.writer.collating,
-                        task[3])
+        return _Session(load, task.base_seed, spec.worker_id, spec.num_workers,
+                        self.writer.collating, task.resume)
 
-    def _fetch(self, session: _Session, slot: int, seq: int, epoch: int, batch_idx: int,
-               index: Any, t0: int) -> None:
-        """An OP_FETCH task: the batch, or what stands in for it (the
-        replica's end, the session's set-up error). ``t0``: when the task was
-        taken (``time.perf_counter_ns``), for the batch's make time."""
-        if epoch != session.epoch:
-            session.new_epoch(epoch)
+    def _fetch(self, session: _Session, slot: int, seq: int, task: FetchTask, t0: int) -> None:
+        """A fetch task: the batch, or what stands in for it (the replica's
+        end, the session's set-up error). ``t0``: when the task was taken
+        (``time.perf_counter_ns``), for the batch's make time."""
+        if task.epoch != session.epoch:
+            session.new_epoch(task.epoch)
         if session.iteration_end:
-            self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+            self._ring.commit(slot, Kind.EXHAUSTED, 0, 0, 0)
             return
         if session.init_exception is not None:
             self._commit_error(slot, session.init_exception, session.capture())
             return
-        self._make_batch(session, slot, seq, batch_idx, index, t0)
+        self._make_batch(session, slot, seq, task, t0)
 
-    def _make_batch(self, session: _Session, slot: int, seq: int, batch_idx: int,
-                    index: Any, t0: int) -> None:
+    def _make_batch(self, session: _Session, slot: int, seq: int, task: FetchTask,
+                    t0: int) -> None:
         """Fetch and collate the batch into ``slot``, then commit it (or the
         error that stopped it)."""
-        where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
+        index = task.index
+        where = f"{session.where} (batch {task.batch_idx} of the epoch{_describe_indices(index)})"
         writer = self.writer
         writer.begin(slot)
         try:
@@ -377,7 +376,7 @@ class _TaskLoop:
             writer.abort()
             if session.dataset_kind == _DatasetKind.Iterable:
                 session.iteration_end = True
-                self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+                self._ring.commit(slot, Kind.EXHAUSTED, 0, 0, 0)
             else:
                 self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
             return
@@ -405,7 +404,7 @@ class _TaskLoop:
         """Publish the batch written into ``slot``, its overflow segment
         (``ofd``, if any) sent to the main process first; the slot's header
         says how long making it took since ``t0`` (the loader's stats())."""
-        kind = KIND_DATA
+        kind: int = Kind.DATA
         if ofd is not None:
             try:
                 send_overflow(self._spec.sock, seq, ofd)
@@ -437,4 +436,4 @@ class _TaskLoop:
         meta += trailer
         start = slot * slot_bytes
         self._mv[start : start + len(meta)] = meta
-        self._ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
+        self._ring.commit(slot, Kind.ERROR, 0, 0, len(meta))
