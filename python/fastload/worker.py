@@ -26,10 +26,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import HAS_NUMPY, collate, signal_handling
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.fetch import _BaseDatasetFetcher
+
+from . import _core, _pickling
+from ._core import WaitResult
+from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
 from .capture import trailer as resume_trailer
-from ._ring import FdHandle, RingHandle
+from .launching import crossing, zygote
+from .serialize import SlotWriter
 from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
                    decode_task, recv_session_fds, send_overflow)
 
@@ -105,27 +116,21 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
-    from .launching.crossing import read_memfd
-
     fds = recv_session_fds(sock)
-    return read_memfd(fds[0]), fds[1:]
+    return crossing.read_memfd(fds[0]), fds[1:]
 
 
 class _Session:
     """One session of a worker: a dataset replica, its seeds and its fetcher."""
 
     def __init__(self, load: Callable[[], tuple], base_seed: int, worker_id: int,
-                 num_workers: int, wrap_collate: Any, resume_from: Optional[tuple] = None) -> None:
-        import torch
-        from torch._utils import ExceptionWrapper
-        from torch.utils.data._utils import HAS_NUMPY
-        from torch.utils.data._utils import worker as torch_worker
-
+                 num_workers: int, wrap_collate: Callable[[Any], Any],
+                 resume_from: Optional[tuple] = None) -> None:
         self.worker_id = worker_id
         self.capturer = Capturer()
         self.where = f"in DataLoader worker process {worker_id}"
-        self.init_exception: Optional[Any] = None
-        self.fetcher: Any = None
+        self.init_exception: Optional[ExceptionWrapper] = None
+        self.fetcher: Optional[_BaseDatasetFetcher] = None
         self.iteration_end = False
         self.epoch: Optional[int] = None
         self.dataset: Any = None
@@ -148,7 +153,7 @@ class _Session:
         random.seed(seed)
         torch.manual_seed(seed)
         if HAS_NUMPY:
-            import numpy as np
+            import numpy as np  # optional: imported only when present, as torch's worker loop does
 
             np.random.seed(torch_worker._generate_state(base_seed, worker_id))
         torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -163,9 +168,7 @@ class _Session:
             except Exception:
                 self.init_exception = ExceptionWrapper(where=self.where)
 
-    def make_fetcher(self) -> Any:
-        from torch.utils.data import _DatasetKind
-
+    def make_fetcher(self) -> _BaseDatasetFetcher:
         fetcher = _DatasetKind.create_fetcher(
             self.dataset_kind, self.dataset, self.auto_collation, self.collate_fn, self.drop_last
         )
@@ -246,13 +249,10 @@ def _isolate(spec: WorkerSpec) -> _MainWatch:
     return main_watch
 
 
-def _join_ring(spec: WorkerSpec) -> Any:
+def _join_ring(spec: WorkerSpec) -> _core.Ring:
     """DataLoader's worker signal handlers, one torch thread and the process
     name ``top`` and ``ps`` show, as its workers have; then the ring, told
     that this worker has started."""
-    import torch
-    from torch.utils.data._utils import signal_handling
-
     signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
     try:  # what torch.multiprocessing._set_thread_name does, through /proc
@@ -265,15 +265,12 @@ def _join_ring(spec: WorkerSpec) -> Any:
     return ring
 
 
-def _stack_into_slots(writer: Any) -> None:
+def _stack_into_slots(writer: SlotWriter) -> None:
     """Make the default collate stack tensors into the slot ``writer`` is
     writing, instead of into torch's /dev/shm-backed shared storage (what
     DataLoader's workers do): that is both the zero-copy path and what keeps
     a 64 MB /dev/shm out of the picture. Same semantics and errors as
     torch's collate_tensor_fn."""
-    import torch
-    from torch.utils.data._utils import collate
-
     torch_collate_tensor = collate.collate_tensor_fn
 
     def collate_tensor_into_slot(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -294,9 +291,7 @@ class _TaskLoop:
     """A worker's loop: take the next task its ring queue holds, do it in
     the task's slot, commit the result (see :mod:`fastload.wire`)."""
 
-    def __init__(self, spec: WorkerSpec, ring: Any, main_watch: _MainWatch) -> None:
-        from .serialize import SlotWriter
-
+    def __init__(self, spec: WorkerSpec, ring: _core.Ring, main_watch: _MainWatch) -> None:
         self._spec = spec
         self._ring = ring
         self._main_watch = main_watch
@@ -308,8 +303,6 @@ class _TaskLoop:
 
     def run(self) -> None:
         """Until the ring shuts this worker down or the main process is gone."""
-        from ._core import WaitResult
-
         ring, wid, slot_bytes, mv = self._ring, self._spec.worker_id, self._slot_bytes, self._mv
         while True:
             status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
@@ -332,8 +325,6 @@ class _TaskLoop:
     def _new_session(self, task: SessionTask) -> _Session:
         """The session a session task starts, its objects taken from where
         the task says."""
-        from .launching import crossing, zygote
-
         spec = self._spec
         if task.preloaded is not None:  # preloaded by the zygote that forked us
             load = functools.partial(zygote.preloaded, task.preloaded)
@@ -370,9 +361,6 @@ class _TaskLoop:
         try:
             data = session.fetcher.fetch(index)
         except StopIteration:
-            from torch._utils import ExceptionWrapper
-            from torch.utils.data import _DatasetKind
-
             writer.abort()
             if session.dataset_kind == _DatasetKind.Iterable:
                 session.iteration_end = True
@@ -381,8 +369,6 @@ class _TaskLoop:
                 self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
             return
         except Exception:
-            from torch._utils import ExceptionWrapper
-
             writer.abort()
             self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
             return
@@ -390,8 +376,6 @@ class _TaskLoop:
         try:
             data_len, meta_off, meta_len, ofd, _ = writer.finish(data, trailer)
         except Exception:
-            from torch._utils import ExceptionWrapper
-
             del data
             self._commit_error(slot, ExceptionWrapper(
                 where=f"{where} while sending it to the main process"), trailer)
@@ -417,13 +401,8 @@ class _TaskLoop:
         # SHUTDOWN if main has replaced this worker, and the loop ends.
         self._ring.commit(slot, kind, data_len, meta_off, meta_len, time.perf_counter_ns() - t0)
 
-    def _commit_error(self, slot: int, wrapper: Any, trailer: bytes) -> None:
-        """Commit ``wrapper`` (an ExceptionWrapper) as the slot's result,
-        cut short where it would not fit."""
-        from torch._utils import ExceptionWrapper
-
-        from . import _pickling
-
+    def _commit_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> None:
+        """Commit ``wrapper`` as the slot's result, cut short where it would not fit."""
         try:
             meta = _pickling.dumps_by_value(wrapper, "error")
         except Exception:
