@@ -32,6 +32,7 @@ from .launching.spawn import spawn
 from .launching.start_methods import launcher_of
 from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
+from .pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
 from .wire import encode_session, hidden_env, recv_overflow, send_session
 from .worker import WorkerSpec, worker_main
@@ -89,9 +90,9 @@ class WorkerPool:
         # pool (and its workers) alive until a garbage collection.
         close = weakref.WeakMethod(self._close_overflow)
         self.ledger = SlotLedger(self.ring, lambda w, seq: _call_if_alive(close, w, seq))
-        # fastload.pinning.PinnedRing when batches are pinned in place; leases
-        # handed out keep it alive past the pool.
-        self._pinner: Optional[Any] = None
+        # Set when batches are pinned in place; leases handed out keep it
+        # alive past the pool.
+        self._pinner: Optional[PinnedRing] = None
         # The default: workers forked from this pool's own zygote, itself
         # forked from the training process's fork server.
         self._launcher = launcher_of(ctx)
@@ -359,15 +360,13 @@ class WorkerPool:
         return self._finalizer.alive and not self.dead_workers()
 
     @property
-    def pinner(self) -> Optional[Any]:
-        """The :class:`fastload.pinning.PinnedRing` of this pool, if pinned."""
+    def pinner(self) -> Optional[PinnedRing]:
+        """The pool's pinned ring, if its batches are pinned in place."""
         return self._pinner
 
-    def pin(self, runtime: Any) -> Any:
+    def pin(self, runtime: DeviceRuntime) -> PinnedRing:
         """Register the ring as pinned memory with ``runtime`` (once per pool)."""
         if self._pinner is None:
-            from .pinning import PinnedRing
-
             self._pinner = PinnedRing(self.ring, runtime)
             self.ledger.use_gate(self._pinner.gate)
         return self._pinner

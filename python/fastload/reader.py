@@ -24,7 +24,9 @@ import torch
 from .batch_format import DTYPES, META_WITH_TABLES
 from .capture import split_trailer
 from .errors import add_note, as_list, short_list
+from . import _core
 from .ledger import Record, SlotLedger
+from .pinning import PinnedRing
 from .wire import FLAG_OVERFLOW, Kind
 
 
@@ -36,8 +38,9 @@ class SlotReader:
     leases registered with the device runtime.
     """
 
-    def __init__(self, ring: Any, ledger: SlotLedger, recv_overflow: Callable[[int, int], int],
-                 held_batches: int, pinner: Any = None) -> None:
+    def __init__(self, ring: _core.Ring, ledger: SlotLedger,
+                 recv_overflow: Callable[[int, int], int], held_batches: int,
+                 pinner: Optional[PinnedRing] = None) -> None:
         self._ring = ring
         self._ledger = ledger
         self._recv_overflow = recv_overflow

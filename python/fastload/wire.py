@@ -19,7 +19,8 @@ Three channels connect them (see docs/design.md, "The ring"):
     ``preloaded`` is a session number, from the zygote that had unpickled
     that session before forking the worker (``zygote.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
-    if ``resume`` (bytes from :mod:`fastload.resume`) is given, puts its
+    if ``resume`` (``(snapshot, samples to skip)`` from
+    :func:`fastload.resume.worker_resume`) is given, puts its
     random generators and dataset replica back where they were.
   - ``(Op.FETCH, epoch, batch_idx, index)``: make one batch. A new
     ``epoch`` within a session is DataLoader's ``_ResumeIteration``.
@@ -84,7 +85,7 @@ class SessionTask:
 
     base_seed: int
     inherited: bool  # the session's objects came with the fork; none follow on the socket
-    resume: Optional[bytes]  # where to put the worker's generators and replica back, or None
+    resume: Optional[tuple]  # where to put the worker's generators and replica back, or None
     preloaded: Optional[int]  # the session number the forking zygote preloaded, or None
 
 
@@ -106,7 +107,7 @@ _FETCH = Op.FETCH.value
 
 
 def encode_session(base_seed: int, inherited: bool = False,
-                   resume: Optional[bytes] = None, preloaded: Optional[int] = None) -> bytes:
+                   resume: Optional[tuple] = None, preloaded: Optional[int] = None) -> bytes:
     """The task that starts a session on a worker."""
     return pickle.dumps((_SESSION, base_seed, inherited or preloaded is not None, resume,
                          preloaded), protocol=pickle.HIGHEST_PROTOCOL)
