@@ -11,7 +11,7 @@ rest belongs to its parts, each driven by it and returning what happened:
 * :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
 * :class:`fastload.reader.SlotReader`: a done slot back into a batch;
-* :class:`fastload.warm.LoaderState` (the loader's): the pool, kept warm;
+* :class:`fastload.loader_state.LoaderState` (the loader's): the pool, kept warm;
 * :class:`fastload.iterator_resume.ResumeMixin`: its position, for
   ``state_dict()``, and getting back to one.
 
@@ -64,7 +64,7 @@ from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
-from .warm import LoaderState
+from .loader_state import LoaderState
 from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
 log = logging.getLogger("fastload")

@@ -29,7 +29,7 @@ from .single_process import SingleProcessIter
 from .autoscale import AUTO, cores_available, initial_workers
 from .loader_stats import LoaderStats
 from .pinning import DeviceRuntime
-from .warm import LoaderOptions, LoaderState, loader_modules, release_lease
+from .loader_state import LoaderOptions, LoaderState, loader_modules, release_lease
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR", "stats"]
 
