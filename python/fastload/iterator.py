@@ -54,6 +54,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from . import _core, resume
 from .autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
                         worker_cap)
+from .debug_views import IteratorView, RingView
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
 from .launching import crossing
@@ -590,6 +591,16 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         n = self._num_workers
         first = self._cycle_next % n
         self._worker_queue_idx_cycle = itertools.cycle([*range(first, n), *range(first)])
+
+    # ---- fastload.debug ----------------------------------------------------
+    def debug_view(self) -> IteratorView:
+        """This iterator as :func:`fastload.debug.debug_view` shows it."""
+        pool = self._pool
+        return IteratorView(
+            num_workers=self._num_workers, pool=pool.debug_view() if pool is not None else None,
+            ring=RingView(self._ring), shut_down=self._shutdown, hang_timeout=self._hang_timeout,
+            held_batches=self._held_batches, restarts_left=self._supervisor.restarts_left,
+            base_seed=self._base_seed)
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
     def _hand_back_pool(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import _core
 from ._ring import FdHandle, RingHandle
 from .deaths import dump_stack, exited_unseen
+from .debug_views import PoolView, RingView
 from .launching import crossing
 from .launching.child import Child
 from .launching.lineage import Lineage
@@ -370,6 +371,24 @@ class WorkerPool:
             self._pinner = PinnedRing(self.ring, runtime)
             self.ledger.use_gate(self._pinner.gate)
         return self._pinner
+
+    def debug_view(self) -> PoolView:
+        """This pool as :func:`fastload.debug.debug_view` shows it."""
+        pinner, lineage = self._pinner, self.lineage
+        return PoolView(
+            pids=self.pids,
+            processes=tuple(self.procs),
+            zygote_pid=lineage.current.pid if lineage is not None else None,
+            ring=RingView(self.ring),
+            pinned=pinner is not None,
+            pin_failed=pinner.failed if pinner is not None else None,
+            pinned_bytes=pinner.registered_bytes() if pinner is not None else 0,
+            zygote_pids=(tuple(z.launched_pid for z in lineage.zygotes)
+                         if lineage is not None else ()),
+            preloaded=lineage is not None and lineage.preloaded is not None,
+            inherited=tuple(lineage is not None and lineage.inherits(w)
+                            for w in range(self.num_workers)),
+        )
 
     @property
     def reusable(self) -> bool:
