@@ -16,7 +16,12 @@ import time
 
 import pytest
 
-from support.processes import open_fds, shm_entries, wait_no_children
+# The fault-injection harness checks epochs with plain asserts, as a test
+# module does: have pytest rewrite them the same way (it must know before
+# the module is imported).
+pytest.register_assert_rewrite("support.fault_harness")
+
+from support.processes import open_fds, shm_entries, wait_no_children  # noqa: E402
 
 
 _interrupted = False

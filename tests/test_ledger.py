@@ -7,7 +7,7 @@ from typing import List, Tuple
 
 from fastload import _core
 from fastload.ledger import Role, SlotLedger
-from fastload.wire import FLAG_OVERFLOW, KIND_DATA, encode_fetch
+from fastload.wire import FLAG_OVERFLOW, Kind, encode_fetch
 from support.ring_driver import FakeWorker, new_ring
 
 
@@ -25,9 +25,9 @@ def test_a_batch_from_assignment_to_its_result() -> None:
     assert ledger.wait(0.0) is None  # nothing committed yet
     w = FakeWorker(ring, 1)
     assert w.take() == (rec.slot, rec.seq)
-    w.commit(rec.slot, KIND_DATA, make_ns=12345)
+    w.commit(rec.slot, Kind.DATA, make_ns=12345)
     got = ledger.wait(1.0)
-    assert got is rec and rec.done and rec.kind == KIND_DATA and rec.make_ns == 12345
+    assert got is rec and rec.done and rec.kind == Kind.DATA and rec.make_ns == 12345
     assert ring.state(rec.slot) == _core.SlotState.READY and ledger.accounted_for()
     ledger.taken(rec)  # the reader's now
     assert not ledger.busy()
@@ -51,7 +51,7 @@ def test_discarding_an_overflowed_batch_closes_its_segment() -> None:
     rec = ledger.assign(Role.BATCH, 0, b"t", idx=3)
     w = FakeWorker(ring, 0)
     w.take()
-    w.commit(rec.slot, KIND_DATA | FLAG_OVERFLOW)
+    w.commit(rec.slot, Kind.DATA | FLAG_OVERFLOW)
     ledger.wait(1.0)
     ledger.discard(rec)
     assert closed == [(0, rec.seq)] and ring.free_slot_count() == ring.num_slots

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from fastload import FastLoader
 from fastload.debug import debug_view
-from fastload.warm import loader_modules
+from fastload.loader_state import loader_modules
 from support import NW
 from support.datasets import ACCEL_VARS, EnvProbe, Plain
 from support.faults import Misbehave, UnpicklesWith

@@ -30,7 +30,7 @@ from .iterator import FastLoaderIter
 from .autoscale import AUTO
 from .launching.lineage import ServerLease, lease_fork_server
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .warm import LoaderState, release_lease
+from .loader_state import LoaderState, release_lease
 
 __all__ = ["install", "uninstall", "installed"]
 

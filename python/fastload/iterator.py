@@ -11,7 +11,7 @@ rest belongs to its parts, each driven by it and returning what happened:
 * :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
 * :class:`fastload.reader.SlotReader`: a done slot back into a batch;
-* :class:`fastload.warm.LoaderState` (the loader's): the pool, kept warm;
+* :class:`fastload.loader_state.LoaderState` (the loader's): the pool, kept warm;
 * :class:`fastload.iterator_resume.ResumeMixin`: its position, for
   ``state_dict()``, and getting back to one.
 
@@ -54,6 +54,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from . import _core, resume
 from .autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
                         worker_cap)
+from .debug_views import IteratorView, RingView
 from .device import DevicePrefetcher
 from .iterator_resume import ResumeMixin
 from .launching import crossing
@@ -64,8 +65,8 @@ from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
-from .warm import LoaderState
-from .wire import FLAG_OVERFLOW, KIND_DATA, KIND_EXHAUSTED, encode_fetch
+from .loader_state import LoaderState
+from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
 log = logging.getLogger("fastload")
 
@@ -327,7 +328,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         rec = self._ledger.wait(wait)
         if rec is not None:
-            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == KIND_DATA:
+            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == Kind.DATA:
                 self._meter.made(rec.worker, rec.make_ns, rec.idx, rec.index)
             return rec
         self._check(needed)
@@ -415,7 +416,7 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
             got = self._receive_one(deadline, rec if self._in_order else None)
             self._tasks_outstanding -= 1
-            if got.kind == KIND_EXHAUSTED:
+            if got.kind == Kind.EXHAUSTED:
                 self._ledger.discard(got)
                 if self._task_info.get(got.idx) is got:
                     del self._task_info[got.idx]
@@ -590,6 +591,16 @@ class FastLoaderIter(ResumeMixin, _BaseDataLoaderIter):
         n = self._num_workers
         first = self._cycle_next % n
         self._worker_queue_idx_cycle = itertools.cycle([*range(first, n), *range(first)])
+
+    # ---- fastload.debug ----------------------------------------------------
+    def debug_view(self) -> IteratorView:
+        """This iterator as :func:`fastload.debug.debug_view` shows it."""
+        pool = self._pool
+        return IteratorView(
+            num_workers=self._num_workers, pool=pool.debug_view() if pool is not None else None,
+            ring=RingView(self._ring), shut_down=self._shutdown, hang_timeout=self._hang_timeout,
+            held_batches=self._held_batches, restarts_left=self._supervisor.restarts_left,
+            base_seed=self._base_seed)
 
     # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
     def _hand_back_pool(self) -> None:

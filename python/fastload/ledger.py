@@ -32,6 +32,7 @@ import enum
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _core
+from .pinning import ReleaseGate
 from .wire import FLAG_OVERFLOW
 
 
@@ -58,7 +59,7 @@ class Record:
         self.idx = idx
         self.index = index
         self.task = task
-        self.kind = -1  # the result kind, once done
+        self.kind = -1  # once done: the result's Kind, maybe with FLAG_OVERFLOW (fastload.wire)
         self.done = False
         self.make_ns = 0  # once done: what its worker says making it took
 
@@ -70,15 +71,15 @@ class SlotLedger:
     a batch that is discarded unread (the pool owns the sockets).
     """
 
-    def __init__(self, ring: Any, close_overflow: Callable[[int, int], None]) -> None:
+    def __init__(self, ring: _core.Ring, close_overflow: Callable[[int, int], None]) -> None:
         self._ring = ring
         self._close_overflow = close_overflow
         self._records: Dict[int, Record] = {}  # seq -> record, in stamp order
         self._seq = 0
-        self._gate: Any = None  # pinning.ReleaseGate of a pinned ring
+        self._gate: Optional[ReleaseGate] = None  # a pinned ring's
 
     # ---- handing out slots ---------------------------------------------------
-    def use_gate(self, gate: Any) -> None:
+    def use_gate(self, gate: ReleaseGate) -> None:
         """Slots released while device copies from them are pending wait in
         ``gate``; the ledger asks it for slots when the free list runs short."""
         self._gate = gate

@@ -23,13 +23,14 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import resume_format
+from .debug_views import LoaderView
 from .device import StreamOps
 from .iterator import FastLoaderIter
 from .single_process import SingleProcessIter
 from .autoscale import AUTO, cores_available, initial_workers
 from .loader_stats import LoaderStats
 from .pinning import DeviceRuntime
-from .warm import LoaderOptions, LoaderState, loader_modules, release_lease
+from .loader_state import LoaderOptions, LoaderState, loader_modules, release_lease
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR", "stats"]
 
@@ -282,6 +283,17 @@ def stats(loader: DataLoader) -> Optional[LoaderStats]:
             "FastLoader, or a DataLoader with num_workers > 0 under fastload.install()")
     meter = state.meter
     return None if meter.epoch < 0 else meter.stats()
+
+
+def loader_view(loader: DataLoader) -> LoaderView:
+    """``loader`` as :func:`fastload.debug.debug_view` shows it: its state (a
+    FastLoader has one from the start, a DataLoader under fastload.install()
+    from its first iterator on) and the iterator it keeps for
+    ``persistent_workers`` (DataLoader's ``_iterator``)."""
+    it = getattr(loader, "_iterator", None)
+    kept = it.debug_view() if isinstance(it, FastLoaderIter) else None
+    state = vars(loader).get(STATE_ATTR)
+    return state.debug_view(kept) if state is not None else LoaderView(None, None, kept)
 
 
 def _is_auto(num_workers: Any) -> bool:

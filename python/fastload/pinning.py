@@ -36,6 +36,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from . import _core
+
 log = logging.getLogger("fastload")
 
 __all__ = ["DeviceEvent", "DeviceRuntime", "CudaRuntime", "ReleaseGate", "PinnedRing",
@@ -197,7 +199,7 @@ class PinnedRing:
     and before it is unmapped.
     """
 
-    def __init__(self, ring: Any, runtime: DeviceRuntime) -> None:
+    def __init__(self, ring: _core.Ring, runtime: DeviceRuntime) -> None:
         self._ring = ring
         self._runtime = runtime
         self._payload = ring.payload_region()  # keeps the mapping alive until we unregister
@@ -208,7 +210,7 @@ class PinnedRing:
         self.gate = ReleaseGate(ring.release, runtime.new_event)
         self._owner_pid = os.getpid()  # a forked copy must not touch the parent's slots
 
-    def lease(self, slot: int, nbytes: int) -> Any:
+    def lease(self, slot: int, nbytes: int) -> _core.Region:
         """Lease ``slot`` (READY) as a Region that is pinned if registration works."""
         if self.failed is None and nbytes > self._registered.get(slot, 0):
             self._register(slot, nbytes)

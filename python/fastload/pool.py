@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import _core
 from ._ring import FdHandle, RingHandle
 from .deaths import dump_stack, exited_unseen
+from .debug_views import PoolView, RingView
 from .launching import crossing
 from .launching.child import Child
 from .launching.lineage import Lineage
@@ -32,6 +33,7 @@ from .launching.spawn import spawn
 from .launching.start_methods import launcher_of
 from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
+from .pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
 from .wire import encode_session, hidden_env, recv_overflow, send_session
 from .worker import WorkerSpec, worker_main
@@ -89,9 +91,9 @@ class WorkerPool:
         # pool (and its workers) alive until a garbage collection.
         close = weakref.WeakMethod(self._close_overflow)
         self.ledger = SlotLedger(self.ring, lambda w, seq: _call_if_alive(close, w, seq))
-        # fastload.pinning.PinnedRing when batches are pinned in place; leases
-        # handed out keep it alive past the pool.
-        self._pinner: Optional[Any] = None
+        # Set when batches are pinned in place; leases handed out keep it
+        # alive past the pool.
+        self._pinner: Optional[PinnedRing] = None
         # The default: workers forked from this pool's own zygote, itself
         # forked from the training process's fork server.
         self._launcher = launcher_of(ctx)
@@ -359,18 +361,34 @@ class WorkerPool:
         return self._finalizer.alive and not self.dead_workers()
 
     @property
-    def pinner(self) -> Optional[Any]:
-        """The :class:`fastload.pinning.PinnedRing` of this pool, if pinned."""
+    def pinner(self) -> Optional[PinnedRing]:
+        """The pool's pinned ring, if its batches are pinned in place."""
         return self._pinner
 
-    def pin(self, runtime: Any) -> Any:
+    def pin(self, runtime: DeviceRuntime) -> PinnedRing:
         """Register the ring as pinned memory with ``runtime`` (once per pool)."""
         if self._pinner is None:
-            from .pinning import PinnedRing
-
             self._pinner = PinnedRing(self.ring, runtime)
             self.ledger.use_gate(self._pinner.gate)
         return self._pinner
+
+    def debug_view(self) -> PoolView:
+        """This pool as :func:`fastload.debug.debug_view` shows it."""
+        pinner, lineage = self._pinner, self.lineage
+        return PoolView(
+            pids=self.pids,
+            processes=tuple(self.procs),
+            zygote_pid=lineage.current.pid if lineage is not None else None,
+            ring=RingView(self.ring),
+            pinned=pinner is not None,
+            pin_failed=pinner.failed if pinner is not None else None,
+            pinned_bytes=pinner.registered_bytes() if pinner is not None else 0,
+            zygote_pids=(tuple(z.launched_pid for z in lineage.zygotes)
+                         if lineage is not None else ()),
+            preloaded=lineage is not None and lineage.preloaded is not None,
+            inherited=tuple(lineage is not None and lineage.inherits(w)
+                            for w in range(self.num_workers)),
+        )
 
     @property
     def reusable(self) -> bool:

@@ -24,8 +24,10 @@ import torch
 from .batch_format import DTYPES, META_WITH_TABLES
 from .capture import split_trailer
 from .errors import add_note, as_list, short_list
+from . import _core
 from .ledger import Record, SlotLedger
-from .wire import FLAG_OVERFLOW, KIND_ERROR
+from .pinning import PinnedRing
+from .wire import FLAG_OVERFLOW, Kind
 
 
 class SlotReader:
@@ -36,8 +38,9 @@ class SlotReader:
     leases registered with the device runtime.
     """
 
-    def __init__(self, ring: Any, ledger: SlotLedger, recv_overflow: Callable[[int, int], int],
-                 held_batches: int, pinner: Any = None) -> None:
+    def __init__(self, ring: _core.Ring, ledger: SlotLedger,
+                 recv_overflow: Callable[[int, int], int], held_batches: int,
+                 pinner: Optional[PinnedRing] = None) -> None:
         self._ring = ring
         self._ledger = ledger
         self._recv_overflow = recv_overflow
@@ -57,7 +60,7 @@ class SlotReader:
         kind, data_len, meta_off, meta_len, _make_ns = ring.result(rec.slot)
         self.snapshot = None
         self.copied = False
-        if kind == KIND_ERROR:
+        if kind == Kind.ERROR:
             try:
                 error, self.snapshot = split_trailer(self._bytes(rec.slot, meta_len))
                 wrapper = pickle.loads(error)

@@ -15,7 +15,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from . import capture, resume
 from .device import DevicePrefetcher, StreamOps
 from .loader_stats import loader_label
-from .warm import LoaderState
+from .loader_state import LoaderState
 
 __all__ = ["SingleProcessIter"]
 

@@ -3,11 +3,12 @@
 Three channels connect them (see docs/design.md, "The ring"):
 
 * **Tasks**, written by the main process into the slot they belong to and
-  read by the worker that the ring queued them for. A task is a pickled
-  tuple made only by :func:`encode_session` and :func:`encode_fetch` and read
-  only by :func:`decode_task`:
+  read by the worker that the ring queued them for. On the wire a task is a
+  pickled tuple whose first item is its :class:`Op`, made only by
+  :func:`encode_session` and :func:`encode_fetch`; :func:`decode_task`
+  reads it back as a :class:`SessionTask` or a :class:`FetchTask`:
 
-  - ``(OP_SESSION, base_seed, inherited, resume, preloaded)``: start a
+  - ``(Op.SESSION, base_seed, inherited, resume, preloaded)``: start a
     session. Unless ``inherited``, the pool has just sent the worker, over
     its socket, the memfd of the pickled ``(process state, dataset,
     collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)``
@@ -18,17 +19,21 @@ Three channels connect them (see docs/design.md, "The ring"):
     ``preloaded`` is a session number, from the zygote that had unpickled
     that session before forking the worker (``zygote.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
-    if ``resume`` (bytes from :mod:`fastload.resume`) is given, puts its
+    if ``resume`` (``(snapshot, samples to skip)`` from
+    :func:`fastload.resume.worker_resume`) is given, puts its
     random generators and dataset replica back where they were.
-  - ``(OP_FETCH, epoch, batch_idx, index)``: make one batch. A new
+  - ``(Op.FETCH, epoch, batch_idx, index)``: make one batch. A new
     ``epoch`` within a session is DataLoader's ``_ResumeIteration``.
 
-* **Results**, committed by the worker with a *kind* and the batch's
-  layout in the slot (see :mod:`fastload.batch_format`): ``KIND_DATA`` (a batch,
+  The op goes on the wire as a plain int, not as the enum member (which
+  would pickle a reference to this module's class: more bytes, slower).
+
+* **Results**, committed by the worker with a :class:`Kind` and the batch's
+  layout in the slot (see :mod:`fastload.batch_format`): ``Kind.DATA`` (a batch,
   ``FLAG_OVERFLOW`` set when part of it lies in an overflow segment whose fd
-  follows on the socket, tagged with ``OVERFLOW_MSG``), ``KIND_ERROR`` (a
-  pickled ``ExceptionWrapper``), ``KIND_EXHAUSTED`` (an IterableDataset
-  replica ended). The ring carries kinds opaquely.
+  follows on the socket, tagged with ``OVERFLOW_MSG``), ``Kind.ERROR`` (a
+  pickled ``ExceptionWrapper``), ``Kind.EXHAUSTED`` (an IterableDataset
+  replica ended). The ring carries kinds opaquely, as ints.
 
 * **Signals**: ``STACK_SIGNAL`` asks a worker to dump its Python stack
   (the hang watchdog); the accelerator variables in ``ACCELERATOR_ENV`` are
@@ -37,21 +42,36 @@ Three channels connect them (see docs/design.md, "The ring"):
 
 from __future__ import annotations
 
+import enum
 import pickle
 import signal
 import socket
 import struct
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple, Union
 
 ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 STACK_SIGNAL = signal.SIGUSR1
 
-OP_SESSION = 0
-OP_FETCH = 1
 
-KIND_DATA = 0
-KIND_ERROR = 1
-KIND_EXHAUSTED = 2
+class Op(enum.IntEnum):
+    """What a task asks of a worker: the first item of a task on the wire."""
+
+    SESSION = 0
+    FETCH = 1
+
+
+class Kind(enum.IntEnum):
+    """What a worker committed into a slot: the ``kind`` of its result."""
+
+    DATA = 0
+    ERROR = 1
+    EXHAUSTED = 2
+
+
+# A bit OR-ed into a result's kind (only ``Kind.DATA`` has it): part of the
+# batch lies in an overflow segment. A plain int, not a member of Kind: a
+# kind with it set is no Kind; test it with ``kind & FLAG_OVERFLOW``.
 FLAG_OVERFLOW = 0x10
 
 OVERFLOW_MSG = struct.Struct("<Q")  # seq of the batch whose overflow fd follows
@@ -59,21 +79,53 @@ SESSION_HEAD = struct.Struct("<cI")  # b"S", number of fds; then b"F" for each f
 _MAX_FDS_PER_MSG = 250  # under SCM_RIGHTS' per-message limit (253)
 
 
+@dataclass(frozen=True, slots=True)
+class SessionTask:
+    """A decoded ``Op.SESSION`` task: start a session (see the module docstring)."""
+
+    base_seed: int
+    inherited: bool  # the session's objects came with the fork; none follow on the socket
+    resume: Optional[tuple]  # where to put the worker's generators and replica back, or None
+    preloaded: Optional[int]  # the session number the forking zygote preloaded, or None
+
+
+@dataclass(frozen=True, slots=True)
+class FetchTask:
+    """A decoded ``Op.FETCH`` task: make batch ``batch_idx`` of ``epoch``
+    from ``index``, the sampler's output."""
+
+    epoch: int
+    batch_idx: int
+    index: Any
+
+
+Task = Union[SessionTask, FetchTask]
+
+# The ops as the plain ints the encoders pickle (see the module docstring).
+_SESSION = Op.SESSION.value
+_FETCH = Op.FETCH.value
+
+
 def encode_session(base_seed: int, inherited: bool = False,
-                   resume: Optional[bytes] = None, preloaded: Optional[int] = None) -> bytes:
+                   resume: Optional[tuple] = None, preloaded: Optional[int] = None) -> bytes:
     """The task that starts a session on a worker."""
-    return pickle.dumps((OP_SESSION, base_seed, inherited or preloaded is not None, resume,
+    return pickle.dumps((_SESSION, base_seed, inherited or preloaded is not None, resume,
                          preloaded), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def encode_fetch(epoch: int, batch_idx: int, index: Any) -> bytes:
     """The task that makes batch ``batch_idx`` of ``epoch`` from sampler output ``index``."""
-    return pickle.dumps((OP_FETCH, epoch, batch_idx, index), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((_FETCH, epoch, batch_idx, index), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode_task(data: Any) -> Tuple[Any, ...]:
-    """A task tuple, as one of the encoders made it."""
-    return pickle.loads(data)
+def decode_task(data: Any) -> Task:
+    """The task one of the encoders made (worker side, once per task)."""
+    task = pickle.loads(data)
+    if task[0] == _FETCH:
+        return FetchTask(task[1], task[2], task[3])
+    if task[0] == _SESSION:
+        return SessionTask(task[1], task[2], task[3], task[4])
+    raise ValueError(f"fastload: a task with unknown op {task[0]!r}")
 
 
 def hidden_env(hide: bool) -> dict:

@@ -26,12 +26,23 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import HAS_NUMPY, collate, signal_handling
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.fetch import _BaseDatasetFetcher
+
+from . import _core, _pickling
+from ._core import WaitResult
+from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
 from .capture import trailer as resume_trailer
-from ._ring import FdHandle, RingHandle
-from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, KIND_DATA, KIND_ERROR, KIND_EXHAUSTED,
-                   OP_SESSION, STACK_SIGNAL, decode_task, recv_session_fds, send_overflow)
+from .launching import crossing, zygote
+from .serialize import SlotWriter
+from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
+                   decode_task, recv_session_fds, send_overflow)
 
 _POLL_S = 0.5
 
@@ -105,27 +116,21 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
-    from .launching.crossing import read_memfd
-
     fds = recv_session_fds(sock)
-    return read_memfd(fds[0]), fds[1:]
+    return crossing.read_memfd(fds[0]), fds[1:]
 
 
 class _Session:
     """One session of a worker: a dataset replica, its seeds and its fetcher."""
 
     def __init__(self, load: Callable[[], tuple], base_seed: int, worker_id: int,
-                 num_workers: int, wrap_collate: Any, resume_from: Optional[tuple] = None) -> None:
-        import torch
-        from torch._utils import ExceptionWrapper
-        from torch.utils.data._utils import HAS_NUMPY
-        from torch.utils.data._utils import worker as torch_worker
-
+                 num_workers: int, wrap_collate: Callable[[Any], Any],
+                 resume_from: Optional[tuple] = None) -> None:
         self.worker_id = worker_id
         self.capturer = Capturer()
         self.where = f"in DataLoader worker process {worker_id}"
-        self.init_exception: Optional[Any] = None
-        self.fetcher: Any = None
+        self.init_exception: Optional[ExceptionWrapper] = None
+        self.fetcher: Optional[_BaseDatasetFetcher] = None
         self.iteration_end = False
         self.epoch: Optional[int] = None
         self.dataset: Any = None
@@ -148,7 +153,7 @@ class _Session:
         random.seed(seed)
         torch.manual_seed(seed)
         if HAS_NUMPY:
-            import numpy as np
+            import numpy as np  # optional: imported only when present, as torch's worker loop does
 
             np.random.seed(torch_worker._generate_state(base_seed, worker_id))
         torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -163,9 +168,7 @@ class _Session:
             except Exception:
                 self.init_exception = ExceptionWrapper(where=self.where)
 
-    def make_fetcher(self) -> Any:
-        from torch.utils.data import _DatasetKind
-
+    def make_fetcher(self) -> _BaseDatasetFetcher:
         fetcher = _DatasetKind.create_fetcher(
             self.dataset_kind, self.dataset, self.auto_collation, self.collate_fn, self.drop_last
         )
@@ -246,13 +249,10 @@ def _isolate(spec: WorkerSpec) -> _MainWatch:
     return main_watch
 
 
-def _join_ring(spec: WorkerSpec) -> Any:
+def _join_ring(spec: WorkerSpec) -> _core.Ring:
     """DataLoader's worker signal handlers, one torch thread and the process
     name ``top`` and ``ps`` show, as its workers have; then the ring, told
     that this worker has started."""
-    import torch
-    from torch.utils.data._utils import signal_handling
-
     signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
     try:  # what torch.multiprocessing._set_thread_name does, through /proc
@@ -265,15 +265,12 @@ def _join_ring(spec: WorkerSpec) -> Any:
     return ring
 
 
-def _stack_into_slots(writer: Any) -> None:
+def _stack_into_slots(writer: SlotWriter) -> None:
     """Make the default collate stack tensors into the slot ``writer`` is
     writing, instead of into torch's /dev/shm-backed shared storage (what
     DataLoader's workers do): that is both the zero-copy path and what keeps
     a 64 MB /dev/shm out of the picture. Same semantics and errors as
     torch's collate_tensor_fn."""
-    import torch
-    from torch.utils.data._utils import collate
-
     torch_collate_tensor = collate.collate_tensor_fn
 
     def collate_tensor_into_slot(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -294,9 +291,7 @@ class _TaskLoop:
     """A worker's loop: take the next task its ring queue holds, do it in
     the task's slot, commit the result (see :mod:`fastload.wire`)."""
 
-    def __init__(self, spec: WorkerSpec, ring: Any, main_watch: _MainWatch) -> None:
-        from .serialize import SlotWriter
-
+    def __init__(self, spec: WorkerSpec, ring: _core.Ring, main_watch: _MainWatch) -> None:
         self._spec = spec
         self._ring = ring
         self._main_watch = main_watch
@@ -308,8 +303,6 @@ class _TaskLoop:
 
     def run(self) -> None:
         """Until the ring shuts this worker down or the main process is gone."""
-        from ._core import WaitResult
-
         ring, wid, slot_bytes, mv = self._ring, self._spec.worker_id, self._slot_bytes, self._mv
         while True:
             status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
@@ -321,69 +314,61 @@ class _TaskLoop:
                 break
             start = slot * slot_bytes
             task = decode_task(mv[start : start + task_len])
-            if task[0] == OP_SESSION:
+            if isinstance(task, SessionTask):
                 self._session = None  # drop the old replica before unpickling the new one
                 self._session = self._new_session(task)
-                ring.commit(slot, KIND_DATA, 0, 0, 0)
+                ring.commit(slot, Kind.DATA, 0, 0, 0)
                 continue
-            _op, epoch, batch_idx, index = task
             assert self._session is not None, "fastload: a fetch task before any session"
-            self._fetch(self._session, slot, seq, epoch, batch_idx, index, time.perf_counter_ns())
+            self._fetch(self._session, slot, seq, task, time.perf_counter_ns())
 
-    def _new_session(self, task: Tuple[Any, ...]) -> _Session:
-        """The session an OP_SESSION task starts, its objects taken from
-        where the task says."""
-        from .launching import crossing, zygote
-
+    def _new_session(self, task: SessionTask) -> _Session:
+        """The session a session task starts, its objects taken from where
+        the task says."""
         spec = self._spec
-        if task[4] is not None:  # preloaded by the zygote that forked us
-            load = functools.partial(zygote.preloaded, task[4])
-        elif task[2]:  # inherited at fork from the training process
+        if task.preloaded is not None:  # preloaded by the zygote that forked us
+            load = functools.partial(zygote.preloaded, task.preloaded)
+        elif task.inherited:  # inherited at fork from the training process
             load = lambda: spec.session  # noqa: E731
         else:
             blob, fds = recv_session(spec.sock)
             load = functools.partial(crossing.unpack, blob, fds)
-        return _Session(load, task[1], spec.worker_id, spec.num_workers, self.writer.collating,
-                        task[3])
+        return _Session(load, task.base_seed, spec.worker_id, spec.num_workers,
+                        self.writer.collating, task.resume)
 
-    def _fetch(self, session: _Session, slot: int, seq: int, epoch: int, batch_idx: int,
-               index: Any, t0: int) -> None:
-        """An OP_FETCH task: the batch, or what stands in for it (the
-        replica's end, the session's set-up error). ``t0``: when the task was
-        taken (``time.perf_counter_ns``), for the batch's make time."""
-        if epoch != session.epoch:
-            session.new_epoch(epoch)
+    def _fetch(self, session: _Session, slot: int, seq: int, task: FetchTask, t0: int) -> None:
+        """A fetch task: the batch, or what stands in for it (the replica's
+        end, the session's set-up error). ``t0``: when the task was taken
+        (``time.perf_counter_ns``), for the batch's make time."""
+        if task.epoch != session.epoch:
+            session.new_epoch(task.epoch)
         if session.iteration_end:
-            self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+            self._ring.commit(slot, Kind.EXHAUSTED, 0, 0, 0)
             return
         if session.init_exception is not None:
             self._commit_error(slot, session.init_exception, session.capture())
             return
-        self._make_batch(session, slot, seq, batch_idx, index, t0)
+        self._make_batch(session, slot, seq, task, t0)
 
-    def _make_batch(self, session: _Session, slot: int, seq: int, batch_idx: int,
-                    index: Any, t0: int) -> None:
+    def _make_batch(self, session: _Session, slot: int, seq: int, task: FetchTask,
+                    t0: int) -> None:
         """Fetch and collate the batch into ``slot``, then commit it (or the
         error that stopped it)."""
-        where = f"{session.where} (batch {batch_idx} of the epoch{_describe_indices(index)})"
+        index = task.index
+        where = f"{session.where} (batch {task.batch_idx} of the epoch{_describe_indices(index)})"
         writer = self.writer
         writer.begin(slot)
         try:
             data = session.fetcher.fetch(index)
         except StopIteration:
-            from torch._utils import ExceptionWrapper
-            from torch.utils.data import _DatasetKind
-
             writer.abort()
             if session.dataset_kind == _DatasetKind.Iterable:
                 session.iteration_end = True
-                self._ring.commit(slot, KIND_EXHAUSTED, 0, 0, 0)
+                self._ring.commit(slot, Kind.EXHAUSTED, 0, 0, 0)
             else:
                 self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
             return
         except Exception:
-            from torch._utils import ExceptionWrapper
-
             writer.abort()
             self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
             return
@@ -391,8 +376,6 @@ class _TaskLoop:
         try:
             data_len, meta_off, meta_len, ofd, _ = writer.finish(data, trailer)
         except Exception:
-            from torch._utils import ExceptionWrapper
-
             del data
             self._commit_error(slot, ExceptionWrapper(
                 where=f"{where} while sending it to the main process"), trailer)
@@ -405,7 +388,7 @@ class _TaskLoop:
         """Publish the batch written into ``slot``, its overflow segment
         (``ofd``, if any) sent to the main process first; the slot's header
         says how long making it took since ``t0`` (the loader's stats())."""
-        kind = KIND_DATA
+        kind: int = Kind.DATA
         if ofd is not None:
             try:
                 send_overflow(self._spec.sock, seq, ofd)
@@ -418,13 +401,8 @@ class _TaskLoop:
         # SHUTDOWN if main has replaced this worker, and the loop ends.
         self._ring.commit(slot, kind, data_len, meta_off, meta_len, time.perf_counter_ns() - t0)
 
-    def _commit_error(self, slot: int, wrapper: Any, trailer: bytes) -> None:
-        """Commit ``wrapper`` (an ExceptionWrapper) as the slot's result,
-        cut short where it would not fit."""
-        from torch._utils import ExceptionWrapper
-
-        from . import _pickling
-
+    def _commit_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> None:
+        """Commit ``wrapper`` as the slot's result, cut short where it would not fit."""
         try:
             meta = _pickling.dumps_by_value(wrapper, "error")
         except Exception:
@@ -437,4 +415,4 @@ class _TaskLoop:
         meta += trailer
         start = slot * slot_bytes
         self._mv[start : start + len(meta)] = meta
-        self._ring.commit(slot, KIND_ERROR, 0, 0, len(meta))
+        self._ring.commit(slot, Kind.ERROR, 0, 0, len(meta))

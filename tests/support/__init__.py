@@ -12,6 +12,9 @@
   this test process (what the leak check in ``conftest.py`` compares).
 * :mod:`support.outcomes` -- iterating a loader like a training loop that
   survives errors, and reading the errors it got.
+* :mod:`support.fault_scenarios`, :mod:`support.fault_harness` -- the
+  fault-injection suite of ``test_faults.py``: its seeded scenarios and
+  report, and running and checking them against DataLoader.
 
 Datasets are pickled to worker processes by reference, so they must be
 importable: pytest puts ``tests/`` on ``sys.path`` (``tests/conftest.py``,

@@ -8,7 +8,7 @@ import os
 from typing import Optional, Tuple
 
 from fastload import _core
-from fastload.wire import KIND_DATA
+from fastload.wire import Kind
 
 SLOT_BYTES = 1 << 20
 
@@ -33,5 +33,5 @@ class FakeWorker:
         status, slot, seq, _n = self.ring.next_task(self.worker, 0.0)
         return (slot, seq) if status == _core.WaitResult.READY else None
 
-    def commit(self, slot: int, kind: int = KIND_DATA, data_len: int = 0, make_ns: int = 0) -> None:
+    def commit(self, slot: int, kind: int = Kind.DATA, data_len: int = 0, make_ns: int = 0) -> None:
         self.ring.commit(slot, kind, data_len, 0, 0, make_ns)

@@ -24,9 +24,10 @@ from typing import Any, Deque, List, Optional, Tuple
 import torch
 
 from . import _core
+from .debug_views import IteratorView, LoaderView
 from .device import CudaStreamOps, StreamOps, resolve_device
 from .launching.zygote_client import Zygote
-from .launching.lineage import ServerLease, fork_server, lease_fork_server
+from .launching.lineage import ServerLease, fork_server, fork_server_pid, lease_fork_server
 from .launching.start_methods import ZYGOTE
 from .loader_stats import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
@@ -221,6 +222,16 @@ class LoaderState:
             return pool
         pool.shutdown()
         return None
+
+    def debug_view(self, iterator: Optional[IteratorView]) -> LoaderView:
+        """What :func:`fastload.debug.debug_view` shows of a loader with this
+        state; ``iterator``: the view of the iterator the loader keeps."""
+        lease = self.server_lease
+        return LoaderView(
+            idle_pool=self.idle_pool.debug_view() if self.idle_pool is not None else None,
+            fork_server_pid=(fork_server_pid(not self.options.allow_gpu_in_workers)
+                             if lease is not None and lease.held else None),
+            iterator=iterator)
 
     def keep_idle_pool(self, pool: WorkerPool) -> None:
         """An iterator is done with ``pool``: keep it warm if it may be reused."""
