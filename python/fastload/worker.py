@@ -310,9 +310,9 @@ class _TaskLoop:
         """Until the ring shuts this worker down or the main process is gone."""
         from ._core import WaitResult
 
-        ring, wid, slot_bytes, mv = self._ring, self._spec.worker_id, self._slot_bytes, self._mv
+        ring, slot_bytes, mv = self._ring, self._slot_bytes, self._mv
         while True:
-            status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
+            status, slot, seq, task_len = ring.next_task(_POLL_S)
             if status == WaitResult.TIMED_OUT:
                 if self._main_watch.gone():
                     break
