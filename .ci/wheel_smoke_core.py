@@ -106,7 +106,7 @@ def main() -> None:
                           pass_fds=(ring.fd,), timeout=60)
     assert proc.returncode == 0, f"child exited {proc.returncode}"
     assert ring.wait_ready(slot, SEQ, 10.0) == core.WaitResult.READY
-    kind, data_len, _, _ = ring.result(slot)
+    kind, data_len, _, _, _ = ring.result(slot)
     assert (kind, data_len) == (0, len(REPLY)), ring.result(slot)
     mv = memoryview(ring.payload_region())
     start = slot * ring.slot_bytes
