@@ -57,8 +57,9 @@ def child(fd: int) -> None:
     """The worker side: attach to the parent's ring through fd, take the
     task, answer it in the same slot."""
     core = load_core()
-    ring = core.Ring.attach(fd)
-    st, slot, seq, n = ring.next_task(WORKER, 10.0)
+    ring = core.WorkerRing.attach(fd)
+    ring.worker_started(WORKER, os.getpid())
+    st, slot, seq, n = ring.next_task(10.0)
     assert st == core.WaitResult.READY, st
     assert seq == SEQ and n == len(TASK), (seq, n)
     mv = memoryview(ring.payload_region())

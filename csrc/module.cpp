@@ -14,30 +14,41 @@
 #include <vector>
 
 #include "ring.h"
+#include "ring_main.h"
+#include "ring_segment.h"
+#include "ring_worker.h"
+#include "sync.h"
 
 namespace py = pybind11;
 using fastload::CommitResult;
-using fastload::Ring;
+using fastload::MainRing;
+using fastload::RingSegment;
 using fastload::SlotResult;
 using fastload::TaskRef;
 using fastload::WaitResult;
+using fastload::WorkerRing;
 
 namespace {
 
 // A writable byte range of the ring exposed through the buffer protocol.
-// It keeps the mapping alive (shared_ptr<Ring>); when it is a slot lease,
-// its destruction — i.e. the death of the last tensor or array viewing it —
-// hands the slot back to the workers, or to `on_release(slot)` when one was
-// given (pinned memory: the slot must wait for device copies still reading
-// it; that callback calls Ring.release later).
+// It keeps the mapping alive (shared_ptr<RingSegment>); when it is a slot
+// lease, it also holds the main side that leased it, and its destruction —
+// i.e. the death of the last tensor or array viewing it — hands the slot
+// back to the workers, or to `on_release(slot)` when one was given (pinned
+// memory: the slot must wait for device copies still reading it; that
+// callback calls Ring.release later).
 class Region {
  public:
-  Region(std::shared_ptr<Ring> ring, char* ptr, size_t len, int64_t leased_slot,
-         py::object on_release = py::none())
-      : ring_(std::move(ring)),
-        ptr_(ptr),
+  // A plain view of the mapping: no slot to give back.
+  Region(std::shared_ptr<RingSegment> mapping, char* ptr, size_t len)
+      : mapping_(std::move(mapping)), ptr_(ptr), len_(len), owner_pid_(::getpid()) {}
+  // A lease of `slot` from `lessor`.
+  Region(std::shared_ptr<MainRing> lessor, uint32_t slot, size_t len, py::object on_release)
+      : mapping_(lessor->segment()),
+        lessor_(std::move(lessor)),
+        ptr_(mapping_->payload(slot)),
         len_(len),
-        leased_slot_(leased_slot),
+        leased_slot_(static_cast<int64_t>(slot)),
         owner_pid_(::getpid()),
         on_release_(std::move(on_release)) {}
   Region(const Region&) = delete;
@@ -58,7 +69,7 @@ class Region {
       }
     }
     try {
-      ring_->release(slot);
+      lessor_->release(slot);
     } catch (const std::exception& e) {
       py::error_scope keep;  // an exception already in flight survives this report
       PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -71,12 +82,13 @@ class Region {
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(ptr_); }
 
  private:
-  std::shared_ptr<Ring> ring_;
+  std::shared_ptr<RingSegment> mapping_;
+  std::shared_ptr<MainRing> lessor_;  // leases only
   char* ptr_;
   size_t len_;
-  int64_t leased_slot_;
+  int64_t leased_slot_ = -1;
   pid_t owner_pid_;
-  py::object on_release_;
+  py::object on_release_ = py::none();
 };
 
 // Python timeouts are seconds as floats: negative is a poll, +inf or any
@@ -90,6 +102,26 @@ int64_t timeout_ns(double timeout_s) {
 // KeyboardInterrupt (or whatever the handler raises) now.
 void check_signals() {
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// What both sides read of the mapping (RingSegment): geometry, all payloads
+// as one buffer, and the debug views of a slot.
+template <class Side>
+void def_segment_views(py::class_<Side, std::shared_ptr<Side>>& cls) {
+  cls.def_property_readonly("num_slots", [](const Side& r) { return r.segment()->num_slots(); })
+      .def_property_readonly("num_workers",
+                             [](const Side& r) { return r.segment()->num_workers(); })
+      .def_property_readonly("slot_bytes", [](const Side& r) { return r.segment()->slot_bytes(); })
+      .def("state", [](const Side& r, uint32_t slot) { return r.segment()->state(slot); },
+           py::arg("slot"))
+      .def("lap", [](const Side& r, uint32_t slot) { return r.segment()->lap(slot); },
+           py::arg("slot"), "How many times the slot was assigned (a debug view).")
+      .def("payload_region",
+           [](const Side& r) {
+             const std::shared_ptr<RingSegment>& seg = r.segment();
+             return std::make_shared<Region>(seg, seg->payload_base(), seg->payload_bytes());
+           },
+           "All slot payloads as one writable buffer (slot k starts at k * slot_bytes).");
 }
 
 }  // namespace
@@ -127,33 +159,24 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("address", &Region::address)
       .def_property_readonly("leased_slot", &Region::leased_slot);
 
-  py::class_<Ring, std::shared_ptr<Ring>>(m, "Ring")
-      .def_static("create", &Ring::create, py::arg("num_slots"), py::arg("num_workers"),
+  // The main process's side (MainRing): made by create(), never attached.
+  py::class_<MainRing, std::shared_ptr<MainRing>> ring(
+      m, "Ring", "The main process's side of a ring (src/ring_main.h); workers use WorkerRing.");
+  ring.def_static("create", &MainRing::create, py::arg("num_slots"), py::arg("num_workers"),
                   py::arg("slot_bytes"), py::arg("force_shm") = false,
-                  "Main process: a new ring in a new shared-memory segment.")
-      .def_static("attach", &Ring::attach, py::arg("fd"),
-                  "Worker: map the ring behind fd (ownership of fd is taken).")
-      .def_property_readonly("num_slots", &Ring::num_slots)
-      .def_property_readonly("num_workers", &Ring::num_workers)
-      .def_property_readonly("slot_bytes", &Ring::slot_bytes)
-      .def_property_readonly("fd", &Ring::fd)
+                  "A new ring in a new shared-memory segment.");
+  def_segment_views(ring);
+  ring.def_property_readonly("fd", [](const MainRing& r) { return r.segment()->fd(); },
+                             "The segment's fd, to hand to workers (WorkerRing.attach).")
       .def_property_readonly("backend",
-                             [](const Ring& r) {
-                               return r.backend() == fastload::SegmentBackend::Memfd ? "memfd"
-                                                                                     : "posix_shm";
+                             [](const MainRing& r) {
+                               return r.segment()->backend() == fastload::SegmentBackend::Memfd
+                                          ? "memfd"
+                                          : "posix_shm";
                              })
-      .def("close_fd", &Ring::close_fd)
-      .def("state", &Ring::state, py::arg("slot"))
-      .def("lap", &Ring::lap, py::arg("slot"),
-           "How many times the slot was assigned (a debug view).")
-      .def("payload_region",
-           [](const std::shared_ptr<Ring>& r) {
-             return std::make_shared<Region>(r, r->payload_base(), r->payload_bytes(), -1);
-           },
-           "All slot payloads as one writable buffer (slot k starts at k * slot_bytes).")
-      // main process
+      .def("close_fd", [](MainRing& r) { r.segment()->close_fd(); })
       .def("pop_free_slot",
-           [](Ring& r, bool highest) -> py::object {
+           [](MainRing& r, bool highest) -> py::object {
              uint32_t s;
              if (!r.pop_free_slot(&s, highest)) return py::none();
              return py::int_(s);
@@ -161,21 +184,21 @@ PYBIND11_MODULE(_core, m) {
            py::arg("highest") = false,
            "The lowest free slot (the highest with highest=True, for tasks that "
            "write no batch), or None.")
-      .def("free_slot_count", &Ring::free_slot_count)
-      .def("trim_free_slot", &Ring::trim_free_slot, py::arg("slot"), py::arg("keep"),
+      .def("free_slot_count", &MainRing::free_slot_count)
+      .def("trim_free_slot", &MainRing::trim_free_slot, py::arg("slot"), py::arg("keep"),
            "Give the pages of a free slot past its first `keep` bytes back to the kernel "
            "(memfd segments only); returns the bytes released.")
-      .def("push_free_slot", &Ring::push_free_slot, py::arg("slot"),
+      .def("push_free_slot", &MainRing::push_free_slot, py::arg("slot"),
            "Put back a slot from pop_free_slot() that was never assigned.")
       .def("assign",
-           [](Ring& r, uint32_t slot, uint64_t seq, uint32_t worker, py::buffer task) {
+           [](MainRing& r, uint32_t slot, uint64_t seq, uint32_t worker, py::buffer task) {
              py::buffer_info info = task.request();
              r.assign(slot, seq, worker, info.ptr,
                       static_cast<size_t>(info.size * info.itemsize));
            },
            py::arg("slot"), py::arg("seq"), py::arg("worker"), py::arg("task"))
       .def("wait_ready",
-           [](Ring& r, uint32_t slot, uint64_t seq, double timeout_s) {
+           [](MainRing& r, uint32_t slot, uint64_t seq, double timeout_s) {
              WaitResult res;
              {
                py::gil_scoped_release nogil;
@@ -186,7 +209,7 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("slot"), py::arg("seq"), py::arg("timeout"))
       .def("wait_any",
-           [](Ring& r, const std::vector<uint32_t>& slots, const std::vector<uint64_t>& seqs,
+           [](MainRing& r, const std::vector<uint32_t>& slots, const std::vector<uint64_t>& seqs,
               double timeout_s) {
              if (slots.size() != seqs.size())
                throw std::invalid_argument("slots and seqs differ in length");
@@ -202,19 +225,19 @@ PYBIND11_MODULE(_core, m) {
                                                                  : py::int_(-1));
            },
            py::arg("slots"), py::arg("seqs"), py::arg("timeout"))
-      .def("watch_worker", &Ring::watch_worker, py::arg("worker"), py::arg("fd"),
+      .def("watch_worker", &MainRing::watch_worker, py::arg("worker"), py::arg("fd"),
            "Watch worker's life through fd (a pidfd; duplicated): its death wakes\n"
            "wait_ready/wait_any, which answer WORKER_DIED until the worker is\n"
            "unwatched or watched again.")
-      .def("unwatch_worker", &Ring::unwatch_worker, py::arg("worker"))
-      .def("dead_workers", &Ring::dead_workers,
+      .def("unwatch_worker", &MainRing::unwatch_worker, py::arg("worker"))
+      .def("dead_workers", &MainRing::dead_workers,
            "Watched workers whose death was seen and not yet acted on.")
-      .def("rescan_count", &Ring::rescan_count,
+      .def("rescan_count", &MainRing::rescan_count,
            "How many times the main process read every slot instead of the completion "
            "queue (a debug view).")
-      .def("is_ready", &Ring::is_ready, py::arg("slot"), py::arg("seq"))
+      .def("is_ready", &MainRing::is_ready, py::arg("slot"), py::arg("seq"))
       .def("result",
-           [](const Ring& r, uint32_t slot) {
+           [](const MainRing& r, uint32_t slot) {
              SlotResult res = r.result(slot);
              return py::make_tuple(res.kind, res.data_len, res.meta_offset, res.meta_len,
                                    res.make_ns);
@@ -223,63 +246,74 @@ PYBIND11_MODULE(_core, m) {
            "(kind, data_len, meta_offset, meta_len, make_ns) of a READY slot; make_ns:\n"
            "the nanoseconds the worker said it spent making the result.")
       .def("lease",
-           [](const std::shared_ptr<Ring>& r, uint32_t slot, size_t nbytes,
+           [](const std::shared_ptr<MainRing>& r, uint32_t slot, size_t nbytes,
               py::object on_release) {
-             if (nbytes > r->slot_bytes()) throw std::out_of_range("lease longer than a slot");
+             if (nbytes > r->segment()->slot_bytes())
+               throw std::out_of_range("lease longer than a slot");
              if (!on_release.is_none() && !PyCallable_Check(on_release.ptr()))
                throw py::type_error("on_release must be callable or None");
              r->lease(slot);
-             return std::make_shared<Region>(r, r->payload(slot), nbytes,
-                                             static_cast<int64_t>(slot), std::move(on_release));
+             return std::make_shared<Region>(r, slot, nbytes, std::move(on_release));
            },
            py::arg("slot"), py::arg("nbytes"), py::arg("on_release") = py::none(),
            "READY -> LEASED; when the returned Region dies the slot is freed, or\n"
            "on_release(slot) is called instead (it must call release(slot) later).")
-      .def("release", &Ring::release, py::arg("slot"))
-      .def("shutdown", &Ring::shutdown)
-      .def("is_shutdown", &Ring::is_shutdown)
-      .def("reset_worker", &Ring::reset_worker, py::arg("worker"))
+      .def("release", &MainRing::release, py::arg("slot"))
+      .def("shutdown", &MainRing::shutdown)
+      .def("is_shutdown", &MainRing::is_shutdown)
+      .def("reset_worker", &MainRing::reset_worker, py::arg("worker"))
       .def("reclaim",
-           [](Ring& r, uint32_t slot) {
+           [](MainRing& r, uint32_t slot) {
              return r.reclaim(slot) != fastload::ReclaimResult::NotInFlight;
            },
            py::arg("slot"),
            "ASSIGNED/WRITING/COMMITTING -> FREE (off the free slots): True if the\n"
            "slot was in flight; its worker's late commit() is then refused.")
-      .def("worker_pid", &Ring::worker_pid, py::arg("worker"))
-      .def("worker_progress", &Ring::worker_progress, py::arg("worker"))
+      .def("worker_pid", &MainRing::worker_pid, py::arg("worker"))
+      .def("worker_progress", &MainRing::worker_progress, py::arg("worker"))
       .def("worker_current_seq",
-           [](const Ring& r, uint32_t w) -> py::object {
+           [](const MainRing& r, uint32_t w) -> py::object {
              uint64_t s = r.worker_current_seq(w);
              if (s == fastload::kNoSeq) return py::none();
              return py::int_(s);
            },
-           py::arg("worker"))
-      // worker process
-      .def("worker_started",
-           [](Ring& r, uint32_t worker, uint32_t pid) { r.worker_started(worker, pid); },
-           py::arg("worker"), py::arg("pid"))
+           py::arg("worker"));
+
+  // One worker's side (WorkerRing): attached in the worker process.
+  py::class_<WorkerRing, std::shared_ptr<WorkerRing>> worker_ring(
+      m, "WorkerRing",
+      "One worker's side of a ring (src/ring_worker.h): attached from the fd of the\n"
+      "main process's Ring; worker_started() once, then next_task() and commit().");
+  worker_ring.def_static("attach", &WorkerRing::attach, py::arg("fd"),
+                         "Map the ring behind fd (ownership of fd is taken), its header checked.");
+  def_segment_views(worker_ring);
+  worker_ring
+      .def("worker_started", &WorkerRing::worker_started, py::arg("worker"), py::arg("pid"),
+           "Announce worker `worker` (its pid, for the main process's watchdog) and\n"
+           "serve it from now on; once per WorkerRing.")
       .def("next_task",
-           [](Ring& r, uint32_t worker, double timeout_s) {
+           [](WorkerRing& r, double timeout_s) {
              WaitResult res;
              TaskRef t{0, 0, 0, 0};
              {
                py::gil_scoped_release nogil;
-               res = r.next_task(worker, timeout_ns(timeout_s), &t);
+               res = r.next_task(timeout_ns(timeout_s), &t);
              }
              check_signals();
              return py::make_tuple(res, t.slot, t.seq, t.task_len);
            },
-           py::arg("worker"), py::arg("timeout"),
-           "(WaitResult, slot, seq, task_len); slot fields are valid only with READY.")
+           py::arg("timeout"),
+           "(WaitResult, slot, seq, task_len) of this worker's next task; the slot\n"
+           "fields are valid only with READY. SHUTDOWN also when the main process\n"
+           "replaced this worker (reset_worker).")
       .def("commit",
-           [](Ring& r, uint32_t slot, uint32_t kind, uint64_t data_len, uint64_t meta_offset,
+           [](WorkerRing& r, uint32_t slot, uint32_t kind, uint64_t data_len, uint64_t meta_offset,
               uint64_t meta_len, uint64_t make_ns) {
              return r.commit(slot, SlotResult{kind, data_len, meta_offset, meta_len, make_ns});
            },
            py::arg("slot"), py::arg("kind"), py::arg("data_len"), py::arg("meta_offset"),
            py::arg("meta_len"), py::arg("make_ns") = 0,
-           "WRITING -> READY for the task this process took from `slot`. RECLAIMED:\n"
+           "WRITING -> READY for the task this worker took from `slot`. RECLAIMED:\n"
            "main took the slot back first (it believed this worker dead); the\n"
            "result is dropped and nothing was written to the slot's header.");
 }

@@ -1,6 +1,6 @@
-// fastload/src/ring.h — the shared ring: one segment = ShmHeader, the
-// completion queue, the per-worker submission queues, the per-slot headers,
-// then the slot payloads.
+// fastload/src/ring.h — the shared ring's layout and protocol: one segment =
+// ShmHeader, the completion queue, the per-worker submission queues, the
+// per-slot headers, then the slot payloads.
 //
 //   [ShmHeader][ShmCompletions][ShmWorker x num_workers][ShmSlot x num_slots][pad][slot 0]...
 //
@@ -22,22 +22,27 @@
 // slot main reclaimed and reassigned can never commit into the new lap.
 // The state word stays the one truth: a queue entry only says "look at this
 // slot". Main rescans every slot when an entry may have been lost (a worker
-// died between READY and its push; see Ring::wait_any).
+// died between READY and its push; see MainRing::wait_any).
 // Every wait is a bounded futex wait that also watches the shutdown flag and,
 // on the main side, the deaths of watched workers (DeathWatch, watch.h).
+//
+// One type per role, as liburing splits io_uring_sq from io_uring_cq; each
+// process builds only its own role's state:
+//   RingSegment (ring_segment.h)  one process's mapping of the segment: the
+//                                 layout below, created or attached and
+//                                 checked; shared by both sides.
+//   MainRing (ring_main.h)        the main process's side: free slots,
+//                                 assigning tasks, the completion reader and
+//                                 its waits, leases, reclaims, shutdown, the
+//                                 death watch.
+//   WorkerRing (ring_worker.h)    one worker's side: its cursor on its
+//                                 submission queue (next_task) and its commits.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <type_traits>
-#include <vector>
-
-#include "segment.h"
-#include "sync.h"
-#include "watch.h"
 
 namespace fastload {
 
@@ -226,8 +231,9 @@ static_assert(std::is_standard_layout_v<ShmCompletions> &&
                   sizeof(ShmCompletions) == kCacheLine + 8 * kCompletionCapacity,
               "ShmCompletions layout (bump kRingVersion when it changes)");
 
-// A task a worker took with next_task(). `lap` names this assignment of the
-// slot; commit() succeeds only while the slot is still on that lap.
+// A task a worker took with WorkerRing::next_task(). `lap` names this
+// assignment of the slot; the worker's commit succeeds only while the slot is
+// still on that lap.
 struct TaskRef {
   uint32_t slot;
   uint64_t seq;
@@ -244,187 +250,5 @@ struct SlotResult {
   // loader's statistics, never used to decide anything in the ring.
   uint64_t make_ns = 0;
 };
-
-// What a worker names itself by: its index and the queue generation it
-// started under (see ShmWorker::generation).
-struct WorkerTicket {
-  uint32_t worker;
-  uint32_t generation;
-};
-
-class Ring {
- public:
-  // Main process: a new segment. Throws std::invalid_argument on bad
-  // geometry, std::runtime_error when the memory cannot be had.
-  static std::shared_ptr<Ring> create(uint32_t num_slots, uint32_t num_workers,
-                                      uint64_t slot_bytes, bool force_shm = false);
-  // Worker: maps the segment behind `fd` (takes ownership) and validates the
-  // whole header (magic, version, geometry, offsets, size) against the
-  // segment; std::runtime_error says which check failed.
-  static std::shared_ptr<Ring> attach(int fd);
-
-  Ring(const Ring&) = delete;
-  Ring& operator=(const Ring&) = delete;
-
-  uint32_t num_slots() const { return hdr_->num_slots; }
-  uint32_t num_workers() const { return hdr_->num_workers; }
-  uint64_t slot_bytes() const { return hdr_->slot_bytes; }
-  int fd() const { return seg_.fd(); }
-  SegmentBackend backend() const { return seg_.backend(); }
-  void close_fd() { seg_.close_fd(); }
-  char* payload(uint32_t slot) const;
-  char* payload_base() const { return base_ + hdr_->payload_offset; }
-  size_t payload_bytes() const { return static_cast<size_t>(hdr_->slot_bytes) * hdr_->num_slots; }
-  SlotState state(uint32_t slot) const;
-  uint64_t lap(uint32_t slot) const;  // how many times the slot was assigned (a debug view)
-
-  // ---- main process -------------------------------------------------------
-  // Free slots are a bitmap (process-local, main only) indexing the slots
-  // whose state is FREE and that main has not taken: release() sets a bit as
-  // it frees a slot, pop_free_slot() clears one, push_free_slot() puts back
-  // one that pop_free_slot() gave and that was never assigned. The state word
-  // stays the truth: a bit is only ever set for a FREE slot.
-  //
-  // Takes the lowest free slot (for batches: they keep to the fewest slots)
-  // or the highest (`highest`: for tasks that write no batch); false when
-  // none is.
-  bool pop_free_slot(uint32_t* slot, bool highest = false);
-  size_t free_slot_count() const;
-  // Puts back a FREE slot taken by pop_free_slot() (or reclaim()) and never
-  // assigned. Throws std::logic_error if it is not FREE or already free.
-  void push_free_slot(uint32_t slot);
-  // Gives the pages of free slot `slot` past its first `keep` bytes (rounded
-  // up to a page) back to the kernel, so a slot that once held an outlier
-  // batch does not keep its memory. Memfd segments only (the shm fallback
-  // reserved its pages on purpose); a slot not on the free bitmap is left
-  // alone. Returns the bytes of the range released, 0 when nothing was done.
-  size_t trim_free_slot(uint32_t slot, size_t keep);
-  // FREE -> ASSIGNED under the next lap, task bytes copied to the payload
-  // start, queued for `worker`. The slot must have been taken off the free
-  // bitmap (pop_free_slot() or reclaim()).
-  void assign(uint32_t slot, uint64_t seq, uint32_t worker, const void* task, size_t task_len);
-  // Waits until `slot` is READY with stamp `seq` (wait_any of one).
-  WaitResult wait_ready(uint32_t slot, uint64_t seq, int64_t timeout_ns);
-  // Waits until any of slots[i] is READY with stamp seqs[i]; *which = i.
-  // What completed is learnt from the completion queue, not by reading every
-  // slot: entries are taken into a process-local table of slots known READY
-  // (checked against the state word, so a stale entry is dropped), and the
-  // wanted slots are looked up there. All slots are read again (a rescan)
-  // when an entry may be missing: after each new death of a watched worker
-  // (it may have died between its READY and its push), when the queue lost
-  // entries, once a second while asleep, and before answering TimedOut. So
-  // the answer is the one a scan would give. Ready comes before WorkerDied
-  // (a dead worker's committed batch is still good), WorkerDied before
-  // sleeping. Safe to call from several threads of the main process.
-  WaitResult wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n, int64_t timeout_ns,
-                      size_t* which);
-  // Watches the life of worker `worker` through `fd` (a pidfd, or any fd
-  // that becomes readable when the process is gone; duplicated here): its
-  // death wakes the waits above, which answer WorkerDied until the worker is
-  // unwatched or watched again (a replacement). Main process only.
-  void watch_worker(uint32_t worker, int fd);
-  void unwatch_worker(uint32_t worker);
-  // Watched workers that died (see DeathWatch::dead()).
-  std::vector<uint32_t> dead_workers() const;
-  // How many times main read every slot instead of the queue (a debug view:
-  // a healthy ring with no deaths and no timed-out waits rescans never).
-  uint64_t rescan_count() const;
-  bool is_ready(uint32_t slot, uint64_t seq) const;
-  SlotResult result(uint32_t slot) const;
-  void lease(uint32_t slot);    // READY -> LEASED
-  void release(uint32_t slot);  // READY/LEASED -> FREE, back on the free bitmap
-  // Sets the shutdown flag, wakes every waiter, stops watching workers.
-  void shutdown();
-  bool is_shutdown() const;
-  // After a worker died (or was given up on): empties its queue, bumps its
-  // generation so the old worker, should it still run, is retired (its
-  // next_task() answers Shutdown and its claims fail), and wakes it.
-  void reset_worker(uint32_t worker);
-  // ASSIGNED/WRITING/COMMITTING (a dead worker's unfinished task) -> FREE,
-  // by CAS, off the free bitmap: main assigns it again at once. A late
-  // commit() of the old lap is refused. NotInFlight: the slot was FREE,
-  // READY or LEASED (the worker's commit won the race), nothing changed.
-  ReclaimResult reclaim(uint32_t slot);
-  uint32_t worker_pid(uint32_t worker) const;
-  uint64_t worker_progress(uint32_t worker) const;
-  uint64_t worker_current_seq(uint32_t worker) const;
-
-  // ---- worker process -----------------------------------------------------
-  // Announces the worker (its pid for the watchdog) and returns its ticket,
-  // which names the queue generation it serves.
-  WorkerTicket worker_started(uint32_t worker, uint32_t pid);
-  // Pops the next task (ASSIGNED -> WRITING, by CAS on its lap: a stale
-  // entry of a reclaimed slot is skipped). Shutdown also when the worker was
-  // retired by reset_worker() since worker_started().
-  WaitResult next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* out);
-  // WRITING -> COMMITTING -> READY with the result fields, if the slot is
-  // still on task.lap; then wakes main if it sleeps. Reclaimed: main took
-  // the slot back first; nothing was written to it.
-  CommitResult commit(const TaskRef& task, const SlotResult& r);
-
-  // One worker per Ring object (a worker process, as the Python workers
-  // are): the same calls, with the ticket and the lap remembered by this
-  // object. next_task(worker) adopts the current generation if
-  // worker_started() was not called; commit(slot) throws std::logic_error
-  // for a slot this object did not pop.
-  WaitResult next_task(uint32_t worker, int64_t timeout_ns, TaskRef* out);
-  CommitResult commit(uint32_t slot, const SlotResult& r);
-
- public:
-  ~Ring();
-
- private:
-  Ring(Segment seg, bool owner);
-  ShmSlot& slot(uint32_t i) const;
-  ShmWorker& worker(uint32_t i) const;
-  void check_slot(uint32_t i) const;
-  void check_worker(uint32_t i) const;
-  ShmCompletions& completions() const;
-  // wait_any's look: takes new completion entries, rescans if due, and
-  // looks the wanted slots up. cq_mu_ held.
-  bool find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, size_t* which);
-  void take_completions();  // cq_mu_ held
-  void rescan_slots();      // cq_mu_ held
-  bool any_dead() const;
-  void wake_main();
-  enum class PopResult { Popped, Empty, Retired };
-  PopResult try_pop(const WorkerTicket& me, TaskRef* out);
-  void set_free_bit(uint32_t s);  // free_mu_ held
-
-  Segment seg_;
-  char* base_;
-  ShmHeader* hdr_;
-  // Process-local (main only): the free bitmap, bit s of word s/64. Guarded
-  // by a mutex because a slot's last view may die on any thread.
-  mutable std::mutex free_mu_;
-  uint64_t free_bits_[kMaxSlots / 64] = {};
-  size_t free_count_ = 0;
-  // Process-local (the one-worker-per-object calls): the generation each
-  // worker index started under here, and the lap of each slot popped here
-  // and not yet committed (kNoLap: none). Relaxed atomics: only the thread
-  // serving a worker touches its entries, but a test may share one object.
-  std::unique_ptr<std::atomic<uint64_t>[]> local_generation_;
-  std::unique_ptr<std::atomic<uint64_t>[]> local_lap_;
-  // Process-local (main only): the consumer side of the completion queue.
-  // cq_head_: the oldest position not yet taken; cq_taken_[pos % capacity]:
-  // taken out of order while an older position is still unwritten;
-  // ready_lap_[slot]: the lap under which the slot was seen READY (kNoLap:
-  // none), re-checked against the state word at every use; rescan_due_: an
-  // entry may be missing; rescanned_deaths_: deaths counted at the last
-  // rescan; rescans_: rescan_count(). All guarded by cq_mu_.
-  mutable std::mutex cq_mu_;
-  uint32_t cq_head_ = 0;
-  std::unique_ptr<bool[]> cq_taken_;
-  std::unique_ptr<uint64_t[]> ready_lap_;
-  bool rescan_due_ = false;
-  uint64_t rescanned_deaths_ = 0;
-  uint64_t rescans_ = 0;
-  // Main only (null in workers). Declared last: destroyed (its thread
-  // joined) before the mapping its wake-ups write to.
-  std::unique_ptr<DeathWatch> watch_;
-};
-
-// Layout arithmetic, shared by create() and the tests.
-size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers);
 
 }  // namespace fastload

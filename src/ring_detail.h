@@ -1,5 +1,5 @@
 // fastload/src/ring_detail.h — what the ring's files (ring_segment.cpp, the
-// main process's side in ring.cpp, the worker's side in ring_worker.cpp)
+// main process's side in ring_main.cpp, the worker's side in ring_worker.cpp)
 // share beyond ring.h: the constants of the waits and the ledger words, and
 // small helpers. Not part of the ring's interface; included by those files only.
 #pragma once
@@ -31,7 +31,7 @@ constexpr int kSpinChecks = 64;  // brief spin before sleeping (see sync::cpu_re
 constexpr int64_t kRescanEveryNs = 1000000000LL;
 constexpr uint32_t kCqMask = kCompletionCapacity - 1;
 constexpr uint64_t kNoLap = ~0ULL;
-constexpr uint64_t kNoGeneration = ~0ULL;
+constexpr uint32_t kNoWorker = ~0u;  // a WorkerRing before worker_started()
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 

@@ -4,13 +4,14 @@
 // field of the header checked), and the accessors both sides index it with.
 // The protocol is described in ring.h.
 
+#include "ring_segment.h"
+
 #include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
-#include "ring.h"
 #include "ring_detail.h"
 
 namespace fastload {
@@ -25,28 +26,13 @@ size_t ring_payload_offset(uint32_t num_slots, uint32_t num_workers) {
   return align_up(off, kPayloadAlign);
 }
 
-Ring::Ring(Segment seg, bool owner)
+RingSegment::RingSegment(Segment seg)
     : seg_(std::move(seg)),
       base_(static_cast<char*>(seg_.data())),
-      hdr_(reinterpret_cast<ShmHeader*>(base_)),
-      local_generation_(new std::atomic<uint64_t>[hdr_->num_workers]),
-      local_lap_(new std::atomic<uint64_t>[hdr_->num_slots]),
-      cq_taken_(new bool[kCompletionCapacity]()),
-      ready_lap_(new uint64_t[hdr_->num_slots]) {
-  for (uint32_t w = 0; w < hdr_->num_workers; ++w) store_relaxed(local_generation_[w], kNoGeneration);
-  for (uint32_t s = 0; s < hdr_->num_slots; ++s) store_relaxed(local_lap_[s], kNoLap);
-  for (uint32_t s = 0; s < hdr_->num_slots; ++s) ready_lap_[s] = kNoLap;
-  if (owner) {
-    std::lock_guard<std::mutex> g(free_mu_);
-    for (uint32_t s = 0; s < hdr_->num_slots; ++s) set_free_bit(s);
-    watch_ = std::make_unique<DeathWatch>([this] { wake_main(); });
-  }
-}
+      hdr_(reinterpret_cast<ShmHeader*>(base_)) {}
 
-Ring::~Ring() = default;
-
-std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uint64_t slot_bytes,
-                                   bool force_shm) {
+std::shared_ptr<RingSegment> RingSegment::create(uint32_t num_slots, uint32_t num_workers,
+                                                 uint64_t slot_bytes, bool force_shm) {
   if (num_slots == 0 || num_slots > kMaxSlots)
     throw std::invalid_argument("fastload: num_slots must be in [1, " + str(kMaxSlots) +
                                 "], got " + str(num_slots));
@@ -92,10 +78,10 @@ std::shared_ptr<Ring> Ring::create(uint32_t num_slots, uint32_t num_workers, uin
   for (uint32_t s = 0; s < num_slots; ++s) new (&slots[s]) ShmSlot{};  // FREE, lap 0
   // Publishing happens when the fd reaches a worker (a syscall, which orders
   // these writes before anything the worker reads).
-  return std::shared_ptr<Ring>(new Ring(std::move(seg), /*owner=*/true));
+  return std::shared_ptr<RingSegment>(new RingSegment(std::move(seg)));
 }
 
-std::shared_ptr<Ring> Ring::attach(int fd) {
+std::shared_ptr<RingSegment> RingSegment::attach(int fd) {
   Segment seg = Segment::attach(fd);
   const size_t size = seg.size();
   auto bad = [&](const std::string& what) {
@@ -133,44 +119,46 @@ std::shared_ptr<Ring> Ring::attach(int fd) {
   if (hdr->total_bytes != total || total != size)
     throw bad("the header says " + str(hdr->total_bytes) + " bytes (geometry: " + str(total) +
               ") but the segment has " + str(size));
-  return std::shared_ptr<Ring>(new Ring(std::move(seg), /*owner=*/false));
+  return std::shared_ptr<RingSegment>(new RingSegment(std::move(seg)));
 }
 
-ShmSlot& Ring::slot(uint32_t i) const {
+ShmSlot& RingSegment::slot(uint32_t i) const {
   return reinterpret_cast<ShmSlot*>(base_ + hdr_->slots_offset)[i];
 }
 
-ShmCompletions& Ring::completions() const {
+ShmCompletions& RingSegment::completions() const {
   return *reinterpret_cast<ShmCompletions*>(base_ + hdr_->completions_offset);
 }
 
-ShmWorker& Ring::worker(uint32_t i) const {
+ShmWorker& RingSegment::worker(uint32_t i) const {
   return reinterpret_cast<ShmWorker*>(base_ + hdr_->workers_offset)[i];
 }
 
-void Ring::check_slot(uint32_t i) const {
+void RingSegment::check_slot(uint32_t i) const {
   if (i >= hdr_->num_slots)
     throw std::out_of_range("fastload: slot " + str(i) + " out of range");
 }
 
-void Ring::check_worker(uint32_t i) const {
+void RingSegment::check_worker(uint32_t i) const {
   if (i >= hdr_->num_workers)
     throw std::out_of_range("fastload: worker " + str(i) + " out of range");
 }
 
-char* Ring::payload(uint32_t s) const {
+char* RingSegment::payload(uint32_t s) const {
   check_slot(s);
   return payload_base() + static_cast<size_t>(hdr_->slot_bytes) * s;
 }
 
-SlotState Ring::state(uint32_t s) const {
+SlotState RingSegment::state(uint32_t s) const {
   check_slot(s);
   return word_state(load_acquire(slot(s).state));
 }
 
-uint64_t Ring::lap(uint32_t s) const {
+uint64_t RingSegment::lap(uint32_t s) const {
   check_slot(s);
   return word_lap(load_acquire(slot(s).state));
 }
+
+bool RingSegment::is_shutdown() const { return load_acquire(hdr_->shutdown) != 0; }
 
 }  // namespace fastload

@@ -1,32 +1,51 @@
-// fastload/src/ring_worker.cpp — the worker's side of the ring: take a task
+// fastload/src/ring_worker.cpp — one worker's side of the ring: take a task
 // from its submission queue (spinning briefly, then sleeping on its doorbell),
 // and commit the result into the slot and onto the completion queue. The main
-// process's side is in ring.cpp; the protocol is described in ring.h.
+// process's side is in ring_main.cpp; the protocol is described in ring.h.
+
+#include "ring_worker.h"
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
-#include "ring.h"
 #include "ring_detail.h"
 
 namespace fastload {
 
-using namespace detail;  // NOLINT: the helpers shared with ring.cpp
+using namespace detail;  // NOLINT: the helpers shared with ring_main.cpp
 
-// ---- worker process -------------------------------------------------------
-
-WorkerTicket Ring::worker_started(uint32_t w, uint32_t pid) {
-  check_worker(w);
-  const WorkerTicket me{w, load_acquire(worker(w).generation)};
-  store_relaxed(local_generation_[w], uint64_t{me.generation});
-  store_release(worker(w).pid, pid);
-  return me;
+WorkerRing::WorkerRing(std::shared_ptr<RingSegment> seg)
+    : seg_(std::move(seg)),
+      hdr_(&seg_->header()),
+      worker_(kNoWorker),
+      taken_lap_(new uint64_t[seg_->num_slots()]) {
+  for (uint32_t s = 0; s < seg_->num_slots(); ++s) taken_lap_[s] = kNoLap;
 }
 
-Ring::PopResult Ring::try_pop(const WorkerTicket& me, TaskRef* out) {
-  ShmWorker& q = worker(me.worker);
+std::shared_ptr<WorkerRing> WorkerRing::attach(int fd) {
+  return std::make_shared<WorkerRing>(RingSegment::attach(fd));
+}
+
+void WorkerRing::worker_started(uint32_t w, uint32_t pid) {
+  seg_->check_worker(w);
+  if (worker_ != kNoWorker)
+    throw std::logic_error("fastload: worker_started() twice on one WorkerRing (it serves worker " +
+                           str(worker_) + ")");
+  ShmWorker& q = seg_->worker(w);
+  worker_ = w;
+  // The generation main's last reset_worker() left (it bumps it with a
+  // release after retiring the queue's previous worker): this object serves
+  // that generation until the next reset.
+  generation_ = load_acquire(q.generation);
+  // Release: main's watchdog reads the pid (acquire) as "this worker joined".
+  store_release(q.pid, pid);
+}
+
+WorkerRing::PopResult WorkerRing::try_pop(TaskRef* out) {
+  ShmWorker& q = seg_->worker(worker_);
   for (;;) {
-    if (load_acquire(q.generation) != me.generation) return PopResult::Retired;
+    if (load_acquire(q.generation) != generation_) return PopResult::Retired;
     uint32_t head = load_acquire(q.head);
     // Acquire pairs with assign()'s tail release: the entry is visible.
     if (load_acquire(q.tail) == head) return PopResult::Empty;
@@ -37,7 +56,7 @@ Ring::PopResult Ring::try_pop(const WorkerTicket& me, TaskRef* out) {
     const uint32_t s = static_cast<uint32_t>(entry & ((1u << kEntrySlotBits) - 1));
     const uint64_t lap = entry >> kEntrySlotBits;
     if (s >= hdr_->num_slots) continue;  // cannot happen: main wrote it
-    ShmSlot& sl = slot(s);
+    ShmSlot& sl = seg_->slot(s);
     // Read before the claim, kept only if the claim succeeds (then main
     // wrote them before the ASSIGNED we replace, and cannot rewrite them
     // before it reclaims the slot from us).
@@ -54,14 +73,18 @@ Ring::PopResult Ring::try_pop(const WorkerTicket& me, TaskRef* out) {
   }
 }
 
-WaitResult Ring::next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* out) {
-  check_worker(me.worker);
-  ShmWorker& q = worker(me.worker);
-  auto outcome = [](PopResult p) {
-    return p == PopResult::Popped ? WaitResult::Ready : WaitResult::Shutdown;
+WaitResult WorkerRing::next_task(int64_t timeout_ns, TaskRef* out) {
+  if (worker_ == kNoWorker)
+    throw std::logic_error("fastload: next_task() before worker_started()");
+  ShmWorker& q = seg_->worker(worker_);
+  // Ready: the slot is remembered under its lap, for commit(slot).
+  auto outcome = [&](PopResult p) {
+    if (p != PopResult::Popped) return WaitResult::Shutdown;
+    taken_lap_[out->slot] = out->lap;
+    return WaitResult::Ready;
   };
   for (int i = 0; i < kSpinChecks; ++i) {
-    const PopResult p = try_pop(me, out);
+    const PopResult p = try_pop(out);
     if (p != PopResult::Empty) return outcome(p);
     sync::cpu_relax();
   }
@@ -73,7 +96,7 @@ WaitResult Ring::next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* 
     // re-reads below.
     full_fence();
     const uint32_t bell = load_acquire(q.doorbell);
-    const PopResult p = try_pop(me, out);
+    const PopResult p = try_pop(out);
     if (p != PopResult::Empty) {
       store_release(q.sleeping, 0u);
       return outcome(p);
@@ -90,75 +113,52 @@ WaitResult Ring::next_task(const WorkerTicket& me, int64_t timeout_ns, TaskRef* 
     auto r = sync::futex_wait(&q.doorbell, bell, left);
     store_release(q.sleeping, 0u);
     if (r == sync::FutexResult::Interrupted) {
-      const PopResult p2 = try_pop(me, out);
+      const PopResult p2 = try_pop(out);
       return p2 == PopResult::Empty ? WaitResult::TimedOut : outcome(p2);
     }
   }
 }
 
-CommitResult Ring::commit(const TaskRef& t, const SlotResult& r) {
-  check_slot(t.slot);
-  ShmSlot& sl = slot(t.slot);
-  uint64_t word = slot_word(t.lap, SlotState::Writing);
+CommitResult WorkerRing::commit(uint32_t s, const SlotResult& r) {
+  seg_->check_slot(s);
+  const uint64_t lap = taken_lap_[s];
+  if (lap == kNoLap)
+    throw std::logic_error("fastload: commit() of slot " + str(s) +
+                           ", which this process did not take with next_task()");
+  taken_lap_[s] = kNoLap;
+  ShmSlot& sl = seg_->slot(s);
+  uint64_t word = slot_word(lap, SlotState::Writing);
   // Claim the result fields: from here main cannot reassign this lap
   // unless it reclaims it (then the final CAS below fails).
-  if (!cas_acq_rel(sl.state, word, slot_word(t.lap, SlotState::Committing))) {
-    if (word_lap(word) == t.lap && !in_flight(word_state(word)) &&
-        word_state(word) != SlotState::Free)
-      throw std::logic_error("fastload: commit() of slot " + str(t.slot) + " twice");
+  if (!cas_acq_rel(sl.state, word, slot_word(lap, SlotState::Committing)))
     return CommitResult::Reclaimed;
-  }
   const uint32_t w = load_relaxed(sl.worker);
   store_relaxed(sl.result_kind, r.kind);
   store_relaxed(sl.data_len, r.data_len);
   store_relaxed(sl.meta_offset, r.meta_offset);
   store_relaxed(sl.meta_len, r.meta_len);
   store_relaxed(sl.make_ns, r.make_ns);
-  word = slot_word(t.lap, SlotState::Committing);
+  word = slot_word(lap, SlotState::Committing);
   // Release: the payload and the fields above reach main's acquire in
   // is_ready(). Fails only when main reclaimed the slot while we wrote them.
-  if (!cas_acq_rel(sl.state, word, slot_word(t.lap, SlotState::Ready)))
+  if (!cas_acq_rel(sl.state, word, slot_word(lap, SlotState::Ready)))
     return CommitResult::Reclaimed;
   // Tell main which slot, on the completion queue. Dying here leaves the
   // slot READY with no entry: main rescans the slots at each new death.
-  ShmCompletions& cq = completions();
+  ShmCompletions& cq = seg_->completions();
   const uint32_t pos = take_ticket(cq.tail);
   // Release: main's acquire of this cell sees the READY above (and so, as
   // with the state word itself, the payload and the result fields).
-  store_release(cq.cells[pos & kCqMask], completion_entry(pos, t.lap, t.slot));
+  store_release(cq.cells[pos & kCqMask], completion_entry(pos, lap, s));
   if (w < hdr_->num_workers) {
-    store_release(worker(w).current_seq, kNoSeq);
-    bump_release(worker(w).progress);
+    store_release(seg_->worker(w).current_seq, kNoSeq);
+    bump_release(seg_->worker(w).progress);
   }
   bump_release(hdr_->completions);
   // Dekker with wait_any() and wait_ready(): the completion before the `main_waiting` load.
   full_fence();
   if (load_relaxed(hdr_->main_waiting) != 0) sync::futex_wake_all(&hdr_->completions);
   return CommitResult::Committed;
-}
-
-// ---- one worker per Ring object -------------------------------------------
-
-WaitResult Ring::next_task(uint32_t w, int64_t timeout_ns, TaskRef* out) {
-  check_worker(w);
-  uint64_t gen = load_relaxed(local_generation_[w]);
-  if (gen == kNoGeneration) {
-    gen = load_acquire(worker(w).generation);
-    store_relaxed(local_generation_[w], gen);
-  }
-  const WaitResult r = next_task(WorkerTicket{w, static_cast<uint32_t>(gen)}, timeout_ns, out);
-  if (r == WaitResult::Ready) store_relaxed(local_lap_[out->slot], out->lap);
-  return r;
-}
-
-CommitResult Ring::commit(uint32_t s, const SlotResult& r) {
-  check_slot(s);
-  const uint64_t lap = load_relaxed(local_lap_[s]);
-  if (lap == kNoLap)
-    throw std::logic_error("fastload: commit() of slot " + str(s) +
-                           ", which this process did not take with next_task()");
-  store_relaxed(local_lap_[s], kNoLap);
-  return commit(TaskRef{s, 0, 0, lap}, r);
 }
 
 }  // namespace fastload

@@ -5,7 +5,7 @@
 // the process is gone, such as multiprocessing's sentinel) can: DeathWatch
 // polls those fds on a thread of its own and, when one fires, marks that
 // worker dead and calls `wake`, which wakes the main process's wait on the
-// ring (Ring bumps its completion word and futex-wakes it). The wait then
+// ring (MainRing bumps its completion word and futex-wakes it). The wait then
 // returns WorkerDied at once instead of the main process polling liveness.
 //
 // Why a thread and not poll() in the wait itself: the wait sleeps on a futex
@@ -57,7 +57,7 @@ class DeathWatch {
   uint32_t dead_count() const;
   std::vector<uint32_t> dead() const;
   // Deaths recorded so far, ever (a monotonic count: the ring rescans its
-  // slots once per new death, see Ring::wait_any).
+  // slots once per new death, see MainRing::wait_any).
   uint64_t events() const;
   // Joins the thread and closes every fd; later watch() calls are ignored.
   void stop();

@@ -124,12 +124,14 @@ def test_a_replacement_clears_the_death(alarm: None) -> None:
 def test_ready_comes_before_the_death(alarm: None) -> None:
     """A batch the dead worker committed is still delivered first."""
     ring = _core.Ring.create(2, 1, 4096)
+    worker = _core.WorkerRing.attach(os.dup(ring.fd))
+    worker.worker_started(0, os.getpid())
     slot = ring.pop_free_slot()
     assert slot is not None
     ring.assign(slot, 3, 0, b"task")
-    status, got, seq, _ = ring.next_task(0, 1.0)
+    status, got, seq, _ = worker.next_task(1.0)
     assert (status, got, seq) == (_core.WaitResult.READY, slot, 3)
-    ring.commit(slot, 0, 0, 0, 0)
+    worker.commit(slot, 0, 0, 0, 0)
     proc = _sleeper()
     try:
         pidfd = os.pidfd_open(proc.pid)

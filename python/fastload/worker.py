@@ -249,7 +249,7 @@ def _isolate(spec: WorkerSpec) -> _MainWatch:
     return main_watch
 
 
-def _join_ring(spec: WorkerSpec) -> _core.Ring:
+def _join_ring(spec: WorkerSpec) -> _core.WorkerRing:
     """DataLoader's worker signal handlers, one torch thread and the process
     name ``top`` and ``ps`` show, as its workers have; then the ring, told
     that this worker has started."""
@@ -291,7 +291,7 @@ class _TaskLoop:
     """A worker's loop: take the next task its ring queue holds, do it in
     the task's slot, commit the result (see :mod:`fastload.wire`)."""
 
-    def __init__(self, spec: WorkerSpec, ring: _core.Ring, main_watch: _MainWatch) -> None:
+    def __init__(self, spec: WorkerSpec, ring: _core.WorkerRing, main_watch: _MainWatch) -> None:
         self._spec = spec
         self._ring = ring
         self._main_watch = main_watch
@@ -303,9 +303,9 @@ class _TaskLoop:
 
     def run(self) -> None:
         """Until the ring shuts this worker down or the main process is gone."""
-        ring, wid, slot_bytes, mv = self._ring, self._spec.worker_id, self._slot_bytes, self._mv
+        ring, slot_bytes, mv = self._ring, self._slot_bytes, self._mv
         while True:
-            status, slot, seq, task_len = ring.next_task(wid, _POLL_S)
+            status, slot, seq, task_len = ring.next_task(_POLL_S)
             if status == WaitResult.TIMED_OUT:
                 if self._main_watch.gone():
                     break

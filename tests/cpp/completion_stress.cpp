@@ -44,13 +44,17 @@
 #include <vector>
 
 #include "ring.h"
+#include "ring_main.h"
+#include "ring_segment.h"
+#include "ring_worker.h"
 #include "stress_support.h"
 
 namespace {
 
 using fastload::CommitResult;
+using fastload::MainRing;
 using fastload::ReclaimResult;
-using fastload::Ring;
+using fastload::RingSegment;
 using fastload::ShmCompletions;
 using fastload::ShmHeader;
 using fastload::ShmSlot;
@@ -58,6 +62,7 @@ using fastload::SlotResult;
 using fastload::SlotState;
 using fastload::TaskRef;
 using fastload::WaitResult;
+using fastload::WorkerRing;
 using fastload::sync::monotonic_ns;
 using fastload_stress::Checker;
 using fastload_stress::current_tid;
@@ -121,26 +126,25 @@ struct Raw {
   ShmCompletions* cq;
   ShmSlot* slots;
 };
-Raw raw_of(const Ring& ring) {
-  char* base = ring.payload_base() - fastload::ring_payload_offset(ring.num_slots(), ring.num_workers());
-  auto* hdr = reinterpret_cast<ShmHeader*>(base);
-  return Raw{hdr, reinterpret_cast<ShmCompletions*>(base + hdr->completions_offset),
-             reinterpret_cast<ShmSlot*>(base + hdr->slots_offset)};
+Raw raw_of(const MainRing& ring) {
+  const RingSegment& seg = *ring.segment();
+  return Raw{&seg.header(), &seg.completions(), &seg.slot(0)};
 }
 
 // Task bytes: the seq; result: (seq, seq ^ magic) right after them.
-void assign_item(Ring& ring, uint32_t slot, uint64_t seq, uint32_t worker) {
+void assign_item(MainRing& ring, uint32_t slot, uint64_t seq, uint32_t worker) {
   ring.assign(slot, seq, worker, &seq, sizeof seq);
 }
-SlotResult write_result(Ring& ring, const TaskRef& t) {
+SlotResult write_result(const RingSegment& seg, const TaskRef& t) {
   const uint64_t out[2] = {t.seq, t.seq ^ kMagic};
-  std::memcpy(ring.payload(t.slot) + 16, out, sizeof out);
+  std::memcpy(seg.payload(t.slot) + 16, out, sizeof out);
   return SlotResult{kind_of(t.seq), 32, 16, 16};
 }
-bool result_ok(Ring& ring, uint32_t slot, uint64_t seq) {
+bool result_ok(MainRing& ring, uint32_t slot, uint64_t seq) {
+  const RingSegment& seg = *ring.segment();
   uint64_t task = 0, out[2] = {0, 0};
-  std::memcpy(&task, ring.payload(slot), sizeof task);
-  std::memcpy(out, ring.payload(slot) + 16, sizeof out);
+  std::memcpy(&task, seg.payload(slot), sizeof task);
+  std::memcpy(out, seg.payload(slot) + 16, sizeof out);
   const SlotResult r = ring.result(slot);
   return task == seq && out[0] == seq && out[1] == (seq ^ kMagic) && r.kind == kind_of(seq) &&
          r.data_len == 32;
@@ -151,7 +155,8 @@ bool result_ok(Ring& ring, uint32_t slot, uint64_t seq) {
 void many_producers_test(const Options& o, Checker& ck) {
   const uint32_t W = o.workers, S = o.slots;
   const uint64_t N = o.items;
-  std::shared_ptr<Ring> ring = Ring::create(S, W, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(S, W, 4096);
+  const RingSegment& seg = *ring->segment();
   std::unique_ptr<std::atomic<uint64_t>[]> done_lap(new std::atomic<uint64_t>[S]);
   for (uint32_t i = 0; i < S; ++i) done_lap[i].store(~0ULL);
   std::atomic<uint64_t> refused{0};
@@ -159,22 +164,23 @@ void many_producers_test(const Options& o, Checker& ck) {
   using Thread = fastload_stress::WorkerThread;  // ended: 0 running, 1 retired, 2 shutdown
   auto worker_fn = [&](uint32_t w, uint64_t wseed, std::shared_ptr<std::atomic<int>> ended) {
     std::mt19937_64 rng(wseed);
-    const fastload::WorkerTicket me = ring->worker_started(w, current_tid());
+    WorkerRing me(ring->segment());
+    me.worker_started(w, current_tid());
     for (;;) {
       TaskRef t{};
-      const WaitResult r = ring->next_task(me, 50 * kMs, &t);
+      const WaitResult r = me.next_task(50 * kMs, &t);
       if (r == WaitResult::Shutdown) {
-        ended->store(ring->is_shutdown() ? 2 : 1);
+        ended->store(seg.is_shutdown() ? 2 : 1);
         return;
       }
       if (r == WaitResult::TimedOut) continue;
       uint64_t task = 0;
-      std::memcpy(&task, ring->payload(t.slot), sizeof task);
+      std::memcpy(&task, seg.payload(t.slot), sizeof task);
       ck.check(task == t.seq, "worker %u: slot %u holds task %" PRIu64 ", popped %" PRIu64, w,
                t.slot, task, t.seq);
       if (rng() % 100 < 5) sleep_us(rng() % 50);
-      const SlotResult res = write_result(*ring, t);
-      if (ring->commit(t, res) == CommitResult::Reclaimed) {
+      const SlotResult res = write_result(seg, t);
+      if (me.commit(t.slot, res) == CommitResult::Reclaimed) {
         refused.fetch_add(1);
         fastload::sync::store_release(done_lap[t.slot], t.lap);  // the test's hand-back
       }
@@ -208,7 +214,7 @@ void many_producers_test(const Options& o, Checker& ck) {
 
   auto reclaim_at = [&](size_t k) {
     const Flight f = flight[k];
-    const uint64_t lap = ring->lap(f.slot);
+    const uint64_t lap = seg.lap(f.slot);
     const ReclaimResult r = ring->reclaim(f.slot);
     if (r == ReclaimResult::NotInFlight) return;  // its commit won: READY, still in flight
     ++reclaimed;
@@ -265,7 +271,7 @@ void many_producers_test(const Options& o, Checker& ck) {
     }
     ck.require(r == WaitResult::Ready, "wait_any returned %s", wait_name(r));
     const Flight f = flight[which];
-    ck.require(ring->state(f.slot) == SlotState::Ready, "wait_any answered slot %u, which is not READY",
+    ck.require(seg.state(f.slot) == SlotState::Ready, "wait_any answered slot %u, which is not READY",
                f.slot);
     ck.require(result_ok(*ring, f.slot, f.seq), "seq %" PRIu64 " (slot %u): wrong result", f.seq,
                f.slot);
@@ -307,30 +313,40 @@ void many_producers_test(const Options& o, Checker& ck) {
 
 // ---- faults ------------------------------------------------------------------
 
-// One item through the ring on this thread (main and its one worker):
-// assign, pop, commit, then wait for it. Returns what wait_any said.
-WaitResult one_item(Ring& ring, uint32_t slot, uint64_t seq, int64_t timeout_ns) {
+// Worker `w`'s side over main's mapping, started on this thread (the fault
+// tests play main and its workers on one thread).
+std::unique_ptr<WorkerRing> started_worker(const MainRing& ring, uint32_t w) {
+  auto worker = std::make_unique<WorkerRing>(ring.segment());
+  worker->worker_started(w, current_tid());
+  return worker;
+}
+
+// One item through the ring on this thread (main and worker 0): assign, pop,
+// commit, then wait for it. Returns what wait_any said.
+WaitResult one_item(MainRing& ring, WorkerRing& worker, uint32_t slot, uint64_t seq,
+                    int64_t timeout_ns) {
   assign_item(ring, slot, seq, 0);
   TaskRef t{};
-  if (ring.next_task(0u, 0, &t) != WaitResult::Ready || t.slot != slot) return WaitResult::Shutdown;
-  ring.commit(t.slot, write_result(ring, t));
+  if (worker.next_task(0, &t) != WaitResult::Ready || t.slot != slot) return WaitResult::Shutdown;
+  worker.commit(t.slot, write_result(*ring.segment(), t));
   return ring.wait_ready(slot, seq, timeout_ns);
 }
 
 // A producer took a position and died before writing it.
 void hole_test(Checker& ck) {
-  std::shared_ptr<Ring> ring = Ring::create(4, 1, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(4, 1, 4096);
+  std::unique_ptr<WorkerRing> worker = started_worker(*ring, 0);
   const Raw raw = raw_of(*ring);
   uint64_t seq = 0;
   uint32_t s = 0;
   ck.require(ring->pop_free_slot(&s), "no free slot");
-  ck.require(one_item(*ring, s, seq++, 30000 * kMs) == WaitResult::Ready, "first item not ready");
+  ck.require(one_item(*ring, *worker, s, seq++, 30000 * kMs) == WaitResult::Ready, "first item not ready");
   ring->release(s);
   fastload::sync::take_ticket(raw.cq->tail);  // the hole
   // Later entries are taken past the hole, without a rescan...
   for (int i = 0; i < 100; ++i) {
     ck.require(ring->pop_free_slot(&s), "no free slot");
-    ck.require(one_item(*ring, s, seq++, 30000 * kMs) == WaitResult::Ready,
+    ck.require(one_item(*ring, *worker, s, seq++, 30000 * kMs) == WaitResult::Ready,
                "an item after a hole was not found");
     ring->release(s);
   }
@@ -339,7 +355,7 @@ void hole_test(Checker& ck) {
   // ...and once the queue has wrapped past it, it is given up (one rescan).
   for (uint32_t i = 0; i < fastload::kCompletionCapacity + 100; ++i) {
     ck.require(ring->pop_free_slot(&s), "no free slot");
-    const WaitResult r = one_item(*ring, s, seq, 30000 * kMs);
+    const WaitResult r = one_item(*ring, *worker, s, seq, 30000 * kMs);
     ck.require(r == WaitResult::Ready, "item %" PRIu64 " (the queue wrapping past a hole): %s", seq,
                wait_name(r));
     ++seq;
@@ -354,13 +370,17 @@ void hole_test(Checker& ck) {
 // A worker died between its READY and its push: the slot is READY, the queue
 // says nothing. The death of a watched worker triggers a rescan.
 void missing_push_test(Checker& ck) {
-  std::shared_ptr<Ring> ring = Ring::create(4, 2, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(4, 2, 4096);
+  std::unique_ptr<WorkerRing> worker0 = started_worker(*ring, 0);
+  std::unique_ptr<WorkerRing> worker1 = started_worker(*ring, 1);
   const Raw raw = raw_of(*ring);
+  // Worker 1 takes the task, then plays its own commit by hand, leaving out
+  // the push.
   auto commit_without_push = [&](uint32_t slot, uint64_t seq) {
     assign_item(*ring, slot, seq, 1);
     TaskRef t{};
-    ck.require(ring->next_task(1u, 0, &t) == WaitResult::Ready && t.slot == slot, "pop failed");
-    const SlotResult r = write_result(*ring, t);
+    ck.require(worker1->next_task(0, &t) == WaitResult::Ready && t.slot == slot, "pop failed");
+    const SlotResult r = write_result(*ring->segment(), t);
     ShmSlot& sl = raw.slots[slot];
     uint64_t word = fastload::slot_word(t.lap, SlotState::Writing);
     ck.require(fastload::sync::cas_acq_rel(sl.state, word, fastload::slot_word(t.lap, SlotState::Committing)),
@@ -409,8 +429,8 @@ void missing_push_test(Checker& ck) {
            "an unwatched dead worker still woke the wait");
   ring->release(a);
   TaskRef t{};
-  ck.require(ring->next_task(0u, 0, &t) == WaitResult::Ready, "pop failed");
-  ring->commit(t.slot, write_result(*ring, t));
+  ck.require(worker0->next_task(0, &t) == WaitResult::Ready, "pop failed");
+  worker0->commit(t.slot, write_result(*ring->segment(), t));
   ck.check(ring->wait_any(&b, &seq8, 1, 60000 * kMs, &which) == WaitResult::Ready, "item 8 lost");
   ring->release(b);
 
@@ -427,15 +447,16 @@ void missing_push_test(Checker& ck) {
 // Main did not look at the queue for more than its capacity (it took results
 // with is_ready()); entries were overwritten, and the gap is noticed.
 void overflow_test(Checker& ck) {
-  std::shared_ptr<Ring> ring = Ring::create(8, 1, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(8, 1, 4096);
+  std::unique_ptr<WorkerRing> worker = started_worker(*ring, 0);
   uint32_t s = 0;
   uint64_t seq = 0;
   for (uint32_t i = 0; i < fastload::kCompletionCapacity + 500; ++i) {
     ck.require(ring->pop_free_slot(&s), "no free slot");
     assign_item(*ring, s, seq, 0);
     TaskRef t{};
-    ck.require(ring->next_task(0u, 0, &t) == WaitResult::Ready, "pop failed");
-    ring->commit(t.slot, write_result(*ring, t));
+    ck.require(worker->next_task(0, &t) == WaitResult::Ready, "pop failed");
+    worker->commit(t.slot, write_result(*ring->segment(), t));
     ck.require(ring->is_ready(s, seq), "not ready after commit");
     ring->release(s);
     ++seq;
@@ -445,8 +466,8 @@ void overflow_test(Checker& ck) {
   ck.require(ring->pop_free_slot(&keep), "no free slot");
   assign_item(*ring, keep, seq, 0);
   TaskRef t{};
-  ck.require(ring->next_task(0u, 0, &t) == WaitResult::Ready, "pop failed");
-  ring->commit(t.slot, write_result(*ring, t));
+  ck.require(worker->next_task(0, &t) == WaitResult::Ready, "pop failed");
+  worker->commit(t.slot, write_result(*ring->segment(), t));
   size_t which = 9;
   ck.check(ring->wait_any(&keep, &seq, 1, 30000 * kMs, &which) == WaitResult::Ready &&
                result_ok(*ring, keep, seq),
@@ -460,13 +481,14 @@ void overflow_test(Checker& ck) {
 // An entry whose slot was released and assigned again says nothing about
 // the new lap.
 void stale_entry_test(Checker& ck) {
-  std::shared_ptr<Ring> ring = Ring::create(2, 1, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(2, 1, 4096);
+  std::unique_ptr<WorkerRing> worker = started_worker(*ring, 0);
   uint32_t s = 0;
   ck.require(ring->pop_free_slot(&s), "no free slot");
   assign_item(*ring, s, 1, 0);
   TaskRef t{};
-  ck.require(ring->next_task(0u, 0, &t) == WaitResult::Ready, "pop failed");
-  ring->commit(t.slot, write_result(*ring, t));
+  ck.require(worker->next_task(0, &t) == WaitResult::Ready, "pop failed");
+  worker->commit(t.slot, write_result(*ring->segment(), t));
   ck.require(ring->is_ready(s, 1), "not ready");
   ring->release(s);  // its entry is still in the queue, unread
   uint32_t s2 = 0;
@@ -480,8 +502,8 @@ void stale_entry_test(Checker& ck) {
   seq = 1;
   ck.check(ring->wait_any(&s, &seq, 1, 0, &which) == WaitResult::TimedOut,
            "a stale entry matched its old stamp");
-  ck.require(ring->next_task(0u, 0, &t) == WaitResult::Ready, "pop failed");
-  ring->commit(t.slot, write_result(*ring, t));
+  ck.require(worker->next_task(0, &t) == WaitResult::Ready, "pop failed");
+  worker->commit(t.slot, write_result(*ring->segment(), t));
   seq = 2;
   ck.check(ring->wait_any(&s, &seq, 1, 30000 * kMs, &which) == WaitResult::Ready &&
                result_ok(*ring, s, 2),
@@ -501,7 +523,7 @@ int pidfd_open(pid_t pid) {
 }
 
 void death_watch_test(Checker& ck) {
-  std::shared_ptr<Ring> ring = Ring::create(2, 3, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(2, 3, 4096);
   std::vector<pid_t> kids;
   for (int i = 0; i < 2; ++i) {
     const pid_t pid = ::fork();

@@ -1,5 +1,6 @@
 // fastload/tests/cpp/ring_stress.cpp — multi-process (and multi-thread)
-// stress test of the shared-memory Ring, with no Python involved.
+// stress test of the shared-memory ring (MainRing and WorkerRing), with no
+// Python involved.
 //
 // main plays the loader: item n goes to worker n % N through pop_free_slot +
 // assign, at most num_slots are in flight, results are awaited in order
@@ -11,12 +12,13 @@
 //
 // Modes:
 //   process  workers are fork()ed and map the ring again with
-//            Ring::attach(dup(fd)), as the real workers do;
-//   thread   workers are threads sharing main's Ring object (one mapping),
-//            the only mode in which ThreadSanitizer sees both sides of every
-//            atomic and so can check the release/acquire hand-overs
-//            (--thread-attach maps the ring once per thread instead: more
-//            realistic, but TSan cannot relate two mappings of one page).
+//            WorkerRing::attach(dup(fd)), as the real workers do;
+//   thread   workers are threads, each with a WorkerRing over main's mapping
+//            (one mapping), the only mode in which ThreadSanitizer sees both
+//            sides of every atomic and so can check the release/acquire
+//            hand-overs (--thread-attach maps the ring once per thread
+//            instead: more realistic, but TSan cannot relate two mappings of
+//            one page).
 // Before the modes: late commits after reclaim() one case at a time, then
 // reclaim() and reset_worker() racing running workers (--reclaim-items).
 // Also checked: idle workers sleep in the kernel (CPU time over an idle
@@ -56,16 +58,21 @@
 #include <vector>
 
 #include "ring.h"
+#include "ring_main.h"
+#include "ring_segment.h"
+#include "ring_worker.h"
 #include "stress_support.h"
 
 namespace {
 
+using fastload::MainRing;
 using fastload::Mapping;
-using fastload::Ring;
+using fastload::RingSegment;
 using fastload::SlotResult;
 using fastload::SlotState;
 using fastload::TaskRef;
 using fastload::WaitResult;
+using fastload::WorkerRing;
 using fastload::sync::monotonic_ns;
 using fastload_stress::Checker;
 using fastload_stress::current_tid;
@@ -334,10 +341,11 @@ int64_t worker_timeout_ms(const Options& o, uint32_t w) {
   return w % 2 == 0 ? o.long_timeout_ms : o.short_timeout_ms;
 }
 
-int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
+int worker_loop(WorkerRing& ring, uint32_t w, const Options& o, TestArea& area) {
   Checker ck("worker " + std::to_string(w) + " tid " + std::to_string(current_tid()));
   WorkerStats& st = area.stats(w);
-  const fastload::WorkerTicket me = ring.worker_started(w, current_tid());
+  const RingSegment& seg = *ring.segment();
+  ring.worker_started(w, current_tid());
   std::mt19937_64 rng(mix64(o.seed * 1000003 + w));
   const int64_t timeout_ns = worker_timeout_ms(o, w) * kMs;
   const bool lost_wakeup_detectable = timeout_ns > o.stall_ms * kMs;
@@ -348,12 +356,12 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     if (o.delay_pct > 0 && rng() % 100 < o.delay_pct / 2) sleep_us(rng() % (o.max_delay_us + 1));
     TaskRef t{};
     const int64_t t0 = monotonic_ns();
-    const WaitResult r = ring.next_task(me, timeout_ns, &t);
+    const WaitResult r = ring.next_task(timeout_ns, &t);
     const int64_t t1 = monotonic_ns();
     if (r == WaitResult::Shutdown) {
       st.saw_shutdown = 1;
       st.shutdown_seen_ns = t1;
-      ck.check(ring.is_shutdown(), "next_task returned Shutdown but is_shutdown() is false");
+      ck.check(seg.is_shutdown(), "next_task returned Shutdown but is_shutdown() is false");
       break;
     }
     if (r == WaitResult::TimedOut) {
@@ -369,10 +377,10 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     }
     if (!ck.check(r == WaitResult::Ready, "next_task returned %d", static_cast<int>(r))) break;
     ++st.tasks;
-    if (!ck.check(t.slot < ring.num_slots(), "next_task gave slot %u of %u", t.slot,
-                  ring.num_slots()))
+    if (!ck.check(t.slot < seg.num_slots(), "next_task gave slot %u of %u", t.slot,
+                  seg.num_slots()))
       break;  // nothing sane to commit
-    char* p = ring.payload(t.slot);
+    char* p = seg.payload(t.slot);
     Task task{};
     if (ck.check(t.task_len == sizeof(Task), "task_len %" PRIu64 " != %zu", t.task_len,
                  sizeof(Task)))
@@ -389,10 +397,13 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
     ck.check(last_seq == fastload::kNoSeq || t.seq > last_seq,
              "seq %" PRIu64 " after %" PRIu64 ": queue not FIFO", t.seq, last_seq);
     last_seq = t.seq;
-    ck.check(ring.state(t.slot) == SlotState::Writing, "slot %u is %s after next_task, not WRITING",
-             t.slot, state_name(ring.state(t.slot)));
-    ck.check(ring.worker_current_seq(w) == t.seq, "worker_current_seq %" PRIu64 " != %" PRIu64,
-             ring.worker_current_seq(w), t.seq);
+    ck.check(seg.state(t.slot) == SlotState::Writing, "slot %u is %s after next_task, not WRITING",
+             t.slot, state_name(seg.state(t.slot)));
+    // What main's watchdog reads (MainRing::worker_current_seq), read here
+    // from the worker's own mapping.
+    const uint64_t current_seq = fastload::sync::load_acquire(seg.worker(w).current_seq);
+    ck.check(current_seq == t.seq, "worker_current_seq %" PRIu64 " != %" PRIu64, current_seq,
+             t.seq);
     if (t.seq < o.items) {
       const int64_t pickup = t1 - assign_ns[t.seq];
       st.max_pickup_ns = std::max(st.max_pickup_ns, pickup);
@@ -404,12 +415,12 @@ int worker_loop(Ring& ring, uint32_t w, const Options& o, TestArea& area) {
 
     if (o.delay_pct > 0 && rng() % 100 < o.delay_pct) sleep_us(rng() % (o.max_delay_us + 1));
     uint64_t size = task.size;
-    if (!ck.check(meta_offset_for(size) + sizeof(ResultMeta) <= ring.slot_bytes(),
+    if (!ck.check(meta_offset_for(size) + sizeof(ResultMeta) <= seg.slot_bytes(),
                   "task size %" PRIu64 " does not fit", size))
       size = 0;
     write_result(p, size, task.seq, task.seed, w);
     const fastload::CommitResult cr = ring.commit(
-        t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
+        t.slot, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
     ck.check(cr == fastload::CommitResult::Committed, "seq %" PRIu64 ": commit refused", t.seq);
   }
   st.passed = ck.passed();
@@ -528,7 +539,7 @@ class ChildGroup {
 // then joined.
 class ThreadGroup {
  public:
-  explicit ThreadGroup(Ring& ring) : ring_(ring) {}
+  explicit ThreadGroup(MainRing& ring) : ring_(ring) {}
   ThreadGroup(const ThreadGroup&) = delete;
   ThreadGroup& operator=(const ThreadGroup&) = delete;
   ~ThreadGroup() {
@@ -547,7 +558,7 @@ class ThreadGroup {
   }
 
  private:
-  Ring& ring_;
+  MainRing& ring_;
   std::vector<std::thread> threads_;
 };
 
@@ -589,15 +600,16 @@ struct RunStats {
 
 class Loader {
  public:
-  Loader(Ring& ring, const Options& o, TestArea& area, Checker& ck, ChildGroup* kids)
+  Loader(MainRing& ring, const Options& o, TestArea& area, Checker& ck, ChildGroup* kids)
       : ring_(ring),
+        seg_(*ring.segment()),
         o_(o),
         area_(area),
         ck_(ck),
         kids_(kids),
         rng_(mix64(o.seed)),
         seen_(o.items, 0),
-        max_size_(ring.slot_bytes() - 128) {}
+        max_size_(seg_.slot_bytes() - 128) {}
 
   const RunStats& stats() const { return stats_; }
 
@@ -675,8 +687,8 @@ class Loader {
     ck_.require(ring_.free_slot_count() == o_.slots, "%zu of %u slots free at the end",
                 ring_.free_slot_count(), o_.slots);
     for (uint32_t s = 0; s < o_.slots; ++s)
-      ck_.require(ring_.state(s) == SlotState::Free, "slot %u is %s at the end", s,
-                  state_name(ring_.state(s)));
+      ck_.require(seg_.state(s) == SlotState::Free, "slot %u is %s at the end", s,
+                  state_name(seg_.state(s)));
   }
 
  private:
@@ -690,7 +702,7 @@ class Loader {
       InFlight f{next_seq_++, s, make_task(next_seq_ - 1)};
       area_.assign_ns()[f.seq] = monotonic_ns();
       ring_.assign(s, f.seq, f.task.worker, &f.task, sizeof f.task);
-      const SlotState st = ring_.state(s);
+      const SlotState st = seg_.state(s);
       ck_.require(st == SlotState::Assigned || st == SlotState::Writing ||
                       st == SlotState::Committing || st == SlotState::Ready,
                   "slot %u is %s right after assign()", s, state_name(st));
@@ -753,8 +765,8 @@ class Loader {
     ck_.require(ring_.is_ready(s, seq), "seq %" PRIu64 ": is_ready false after Ready", seq);
     ck_.require(!ring_.is_ready(s, seq + 1) && !ring_.is_ready(s, seq ^ (1ULL << 63)),
                 "seq %" PRIu64 ": is_ready true for another seq stamp", seq);
-    ck_.require(ring_.state(s) == SlotState::Ready, "seq %" PRIu64 ": slot %u is %s, not READY",
-                seq, s, state_name(ring_.state(s)));
+    ck_.require(seg_.state(s) == SlotState::Ready, "seq %" PRIu64 ": slot %u is %s, not READY",
+                seq, s, state_name(seg_.state(s)));
     const SlotResult res = ring_.result(s);
     const uint64_t size = f.task.size;
     ck_.require(res.kind == result_kind(seq, f.task.worker) && res.data_len == size &&
@@ -763,7 +775,7 @@ class Loader {
                 "} != expected {%u, %" PRIu64 ", %" PRIu64 "+%zu}",
                 seq, res.kind, res.data_len, res.meta_offset, res.meta_len,
                 result_kind(seq, f.task.worker), size, meta_offset_for(size), sizeof(ResultMeta));
-    const char* p = ring_.payload(s);
+    const char* p = seg_.payload(s);
     ResultMeta m{};
     std::memcpy(&m, p + meta_offset_for(size), sizeof m);
     ck_.require(m.magic == kResultMagic && m.check == meta_check(m) && m.seq == seq &&
@@ -786,7 +798,7 @@ class Loader {
   void finish(const InFlight& f, bool may_hold) {
     if (may_hold && rng_() % 4 == 0) {
       ring_.lease(f.slot);
-      ck_.require(ring_.state(f.slot) == SlotState::Leased, "slot %u not LEASED after lease()",
+      ck_.require(seg_.state(f.slot) == SlotState::Leased, "slot %u not LEASED after lease()",
                   f.slot);
       ++stats_.leased;
       held_.push_back(f);
@@ -797,7 +809,7 @@ class Loader {
       ++stats_.leased;
     }
     ring_.release(f.slot);
-    ck_.require(ring_.state(f.slot) == SlotState::Free, "slot %u not FREE after release()", f.slot);
+    ck_.require(seg_.state(f.slot) == SlotState::Free, "slot %u not FREE after release()", f.slot);
   }
 
   // A held (leased) slot must still hold its result: no worker and no
@@ -808,9 +820,9 @@ class Loader {
       const InFlight f = held_[k];
       held_[k] = held_.back();
       held_.pop_back();
-      ck_.require(ring_.state(f.slot) == SlotState::Leased, "held slot %u is %s", f.slot,
-                  state_name(ring_.state(f.slot)));
-      const char* p = ring_.payload(f.slot);
+      ck_.require(seg_.state(f.slot) == SlotState::Leased, "held slot %u is %s", f.slot,
+                  state_name(seg_.state(f.slot)));
+      const char* p = seg_.payload(f.slot);
       const uint64_t size = f.task.size;
       ResultMeta m{};
       std::memcpy(&m, p + meta_offset_for(size), sizeof m);
@@ -821,7 +833,8 @@ class Loader {
     }
   }
 
-  Ring& ring_;
+  MainRing& ring_;
+  const RingSegment& seg_;
   const Options& o_;
   TestArea& area_;
   Checker& ck_;
@@ -835,7 +848,7 @@ class Loader {
 };
 
 // Workers must burn (almost) no CPU while idle: they sleep in futex_wait.
-void check_idle_cpu(Ring& ring, const Options& o, Checker& ck, pid_t pid_of_threads,
+void check_idle_cpu(MainRing& ring, const Options& o, Checker& ck, pid_t pid_of_threads,
                     const ChildGroup* kids) {
   if (o.idle_ms <= 0) return;
   sleep_us(50 * 1000);  // let every worker finish its spin and go to sleep
@@ -903,7 +916,7 @@ struct ModeResult {
   uint64_t worker_failed = 0;
 };
 
-void run_loader_phases(Loader& loader, Ring& ring, const Options& o, Checker& ck,
+void run_loader_phases(Loader& loader, MainRing& ring, const Options& o, Checker& ck,
                        pid_t pid_of_threads, const ChildGroup* kids) {
   const int64_t t0 = monotonic_ns();
   loader.run_in_order(o.items / 2);
@@ -924,7 +937,7 @@ void run_loader_phases(Loader& loader, Ring& ring, const Options& o, Checker& ck
 
 ModeResult run_process_mode(const Options& o, Checker& ck) {
   ModeResult res;
-  std::shared_ptr<Ring> ring = Ring::create(o.slots, o.workers, o.slot_bytes);
+  std::shared_ptr<MainRing> ring = MainRing::create(o.slots, o.workers, o.slot_bytes);
   TestArea area(o.workers, o.items);
   SigchldScope sigchld;
   ChildGroup kids;
@@ -940,9 +953,9 @@ ModeResult run_process_mode(const Options& o, Checker& ck) {
       if (::getppid() != parent) ::_exit(3);
       try {
         // The realistic path: map the ring again from its fd.
-        const int fd = ::dup(ring->fd());
+        const int fd = ::dup(ring->segment()->fd());
         if (fd < 0) throw std::runtime_error(std::string("dup: ") + std::strerror(errno));
-        std::shared_ptr<Ring> mine = Ring::attach(fd);
+        std::shared_ptr<WorkerRing> mine = WorkerRing::attach(fd);
         rc = worker_loop(*mine, w, o, area);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "FAIL [worker %u] exception: %s\n", w, e.what());
@@ -973,15 +986,17 @@ ModeResult run_process_mode(const Options& o, Checker& ck) {
 
 ModeResult run_thread_mode(const Options& o, Checker& ck) {
   ModeResult res;
-  std::shared_ptr<Ring> ring = Ring::create(o.slots, o.workers, o.slot_bytes);
+  std::shared_ptr<MainRing> ring = MainRing::create(o.slots, o.workers, o.slot_bytes);
   TestArea area(o.workers, o.items);
   ThreadGroup threads(*ring);
   for (uint32_t w = 0; w < o.workers; ++w) {
-    std::shared_ptr<Ring> mine = ring;
+    std::shared_ptr<WorkerRing> mine;
     if (o.thread_attach) {
-      const int fd = ::dup(ring->fd());
+      const int fd = ::dup(ring->segment()->fd());
       ck.require(fd >= 0, "dup: %s", std::strerror(errno));
-      mine = Ring::attach(fd);
+      mine = WorkerRing::attach(fd);
+    } else {
+      mine = std::make_shared<WorkerRing>(ring->segment());
     }
     threads.spawn([mine, w, &o, &area] {
       try {
@@ -1014,7 +1029,10 @@ ModeResult run_thread_mode(const Options& o, Checker& ck) {
 
 void timing_test(const Options& o, Checker& ck) {
   const int64_t slack = o.timing_slack_ms * kMs;
-  std::shared_ptr<Ring> ring = Ring::create(2, 1, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(2, 1, 4096);
+  // The worker's side, on this thread and (one at a time) on the threads below.
+  WorkerRing worker(ring->segment());
+  worker.worker_started(0, current_tid());
   auto timed = [&](const char* what, int64_t timeout, WaitResult want, WaitResult got,
                    int64_t el) {
     ck.require(got == want, "%s(timeout %.1f ms) returned %s, expected %s", what, ms(timeout),
@@ -1029,7 +1047,7 @@ void timing_test(const Options& o, Checker& ck) {
   TaskRef t{};
   for (int64_t timeout : {int64_t{-5} * kMs, int64_t{0}, 1 * kMs, 20 * kMs, 100 * kMs}) {
     const int64_t t0 = monotonic_ns();
-    const WaitResult r = ring->next_task(0, timeout, &t);
+    const WaitResult r = worker.next_task(timeout, &t);
     timed("next_task", timeout, WaitResult::TimedOut, r, monotonic_ns() - t0);
   }
   uint32_t s = 0;
@@ -1051,16 +1069,16 @@ void timing_test(const Options& o, Checker& ck) {
   }
   // A queued task comes back at once, whatever the timeout.
   int64_t t0 = monotonic_ns();
-  WaitResult r = ring->next_task(0, INT64_MAX, &t);
+  WaitResult r = worker.next_task(INT64_MAX, &t);
   timed("next_task(queued)", 0, WaitResult::Ready, r, monotonic_ns() - t0);
   ck.require(t.slot == s && t.seq == 7 && t.task_len == sizeof task, "next_task gave the wrong task");
-  ck.require(ring->state(s) == SlotState::Writing, "slot not WRITING after next_task");
+  ck.require(ring->segment()->state(s) == SlotState::Writing, "slot not WRITING after next_task");
 
   // main waiting with an "infinite" timeout is woken by a commit.
   {
     std::thread committer([&] {
       sleep_us(30 * 1000);
-      ring->commit(s, SlotResult{5, 0, 0, 0});
+      worker.commit(s, SlotResult{5, 0, 0, 0});
     });
     t0 = monotonic_ns();
     r = ring->wait_ready(s, 7, INT64_MAX);
@@ -1077,9 +1095,9 @@ void timing_test(const Options& o, Checker& ck) {
     TaskRef t2{};
     WaitResult r2 = WaitResult::Shutdown;
     int64_t el2 = 0;
-    std::thread worker([&] {
+    std::thread worker_thread([&] {
       const int64_t a = monotonic_ns();
-      r2 = ring->next_task(0, INT64_MAX, &t2);
+      r2 = worker.next_task(INT64_MAX, &t2);
       el2 = monotonic_ns() - a;
     });
     sleep_us(30 * 1000);
@@ -1087,12 +1105,12 @@ void timing_test(const Options& o, Checker& ck) {
     task.seq = 8;
     task.check = task_check(task);
     ring->assign(s, 8, 0, &task, sizeof task);
-    worker.join();
+    worker_thread.join();
     ck.require(r2 == WaitResult::Ready && t2.seq == 8 && t2.slot == s,
                "next_task(INT64_MAX) returned %s (seq %" PRIu64 ")", wait_name(r2), t2.seq);
     ck.require(el2 <= 30 * kMs + slack, "next_task(INT64_MAX) woke after %.1f ms for an assign at 30 ms",
                ms(el2));
-    ring->commit(s, SlotResult{6, 0, 0, 0});
+    worker.commit(s, SlotResult{6, 0, 0, 0});
     ck.require(ring->wait_ready(s, 8, 0) == WaitResult::Ready, "wait_ready after commit");
     ring->release(s);
   }
@@ -1115,15 +1133,15 @@ void timing_test(const Options& o, Checker& ck) {
     });
     sleep_us(30 * 1000);
     // Pop the task first so the worker below finds an empty queue and sleeps.
-    ck.require(ring->next_task(0, 0, &t3) == WaitResult::Ready && t3.seq == 9, "next_task(seq 9)");
-    std::thread worker([&] {
+    ck.require(worker.next_task(0, &t3) == WaitResult::Ready && t3.seq == 9, "next_task(seq 9)");
+    std::thread worker_thread([&] {
       const int64_t a = monotonic_ns();
-      r3 = ring->next_task(0, INT64_MAX, &t3);
+      r3 = worker.next_task(INT64_MAX, &t3);
       el3 = monotonic_ns() - a;
     });
     sleep_us(30 * 1000);
     ring->shutdown();
-    worker.join();
+    worker_thread.join();
     waiter.join();
     ck.require(r3 == WaitResult::Shutdown, "next_task during shutdown() returned %s",
                wait_name(r3));
@@ -1134,7 +1152,7 @@ void timing_test(const Options& o, Checker& ck) {
   }
   ck.require(ring->is_shutdown(), "is_shutdown() after shutdown()");
   t0 = monotonic_ns();
-  r = ring->next_task(0, 1000 * kMs, &t);
+  r = worker.next_task(1000 * kMs, &t);
   timed("next_task(after shutdown)", 0, WaitResult::Shutdown, r, monotonic_ns() - t0);
   t0 = monotonic_ns();
   r = ring->wait_ready(1, 99, 1000 * kMs);
@@ -1158,14 +1176,16 @@ void shutdown_race_test(const Options& o, Checker& ck) {
   // slower).
   int64_t reach_ns[2] = {0, 0};
   {
-    std::shared_ptr<Ring> ring = Ring::create(1, 1, 4096);
+    std::shared_ptr<MainRing> ring = MainRing::create(1, 1, 4096);
+    WorkerRing worker(ring->segment());
+    worker.worker_started(0, current_tid());
     std::vector<int64_t> d;
     for (int side = 0; side < 2; ++side) {
       d.clear();
       for (int k = 0; k < 51; ++k) {
         TaskRef t{};
         const int64_t a = monotonic_ns();
-        if (side == 1) ring->wait_ready(0, 1, 0); else ring->next_task(0, 0, &t);
+        if (side == 1) ring->wait_ready(0, 1, 0); else worker.next_task(0, &t);
         d.push_back(monotonic_ns() - a);
       }
       std::nth_element(d.begin(), d.begin() + 25, d.end());
@@ -1178,7 +1198,10 @@ void shutdown_race_test(const Options& o, Checker& ck) {
   for (uint32_t i = 0; i < o.shutdown_trials; ++i) {
     // Odd trials: a thread of main in wait_ready; even: a worker in next_task.
     const bool main_side = i % 2 == 1;
-    std::shared_ptr<Ring> ring = Ring::create(1, 1, 4096);
+    std::shared_ptr<MainRing> ring = MainRing::create(1, 1, 4096);
+    // Used here, then (after the thread starts) only by the waiter.
+    WorkerRing worker(ring->segment());
+    worker.worker_started(0, current_tid());
     uint32_t s = 0;
     ck.require(ring->pop_free_slot(&s), "pop_free_slot");
     const char task[8] = {};
@@ -1186,14 +1209,14 @@ void shutdown_race_test(const Options& o, Checker& ck) {
     TaskRef t{};
     // Taken off the queue (WRITING, never committed): the worker finds an
     // empty queue and main's slot never becomes READY.
-    ck.require(ring->next_task(0, 0, &t) == WaitResult::Ready, "next_task(queued)");
+    ck.require(worker.next_task(0, &t) == WaitResult::Ready, "next_task(queued)");
     std::atomic<int64_t> started{0};
     WaitResult r = WaitResult::Ready;
     int64_t el = 0;
     std::thread waiter([&] {
       const int64_t a = monotonic_ns();
       started.store(a);
-      r = main_side ? ring->wait_ready(s, 1, timeout) : ring->next_task(0, timeout, &t);
+      r = main_side ? ring->wait_ready(s, 1, timeout) : worker.next_task(timeout, &t);
       el = monotonic_ns() - a;
     });
     int64_t a = 0;
@@ -1221,92 +1244,114 @@ void shutdown_race_test(const Options& o, Checker& ck) {
 // ---- reclaim, reset_worker and late commits ---------------------------------
 
 // The cases one by one, on a quiet ring: a commit of a lap main reclaimed is
-// refused before and after the slot is reassigned (and taken again); a stale
-// queue entry of a reclaimed task is skipped; reset_worker() retires a worker
-// still running (its next_task answers Shutdown, even from a sleep) while a
-// replacement serves the queue; a second commit is a logic error.
+// refused whatever the slot became since (queued again, taken again under a
+// new lap, READY under a new lap); a stale queue entry of a reclaimed task is
+// skipped; reset_worker() retires a worker still running (its next_task
+// answers Shutdown, even from a sleep) while a replacement serves the queue;
+// a second commit is a logic error. Each WorkerRing plays one worker process
+// of worker 0: those main gave up on hold the laps it took back from them.
 void late_commit_test(const Options& o, Checker& ck) {
   using fastload::CommitResult;
   using fastload::ReclaimResult;
   const int64_t slack = o.timing_slack_ms * kMs;
-  std::shared_ptr<Ring> ring = Ring::create(2, 1, 4096);
+  std::shared_ptr<MainRing> ring = MainRing::create(2, 1, 4096);
+  const RingSegment& seg = *ring->segment();
   const char task[8] = {'t', 'a', 's', 'k', 0, 0, 0, 0};
-  const fastload::WorkerTicket old_me = ring->worker_started(0, 1);
+  auto started = [&](uint32_t pid) {
+    auto w = std::make_unique<WorkerRing>(ring->segment());
+    w->worker_started(0, pid);
+    return w;
+  };
   uint32_t s = 0;
-  TaskRef t_old{};
   TaskRef t{};
   ck.require(ring->pop_free_slot(&s), "pop_free_slot");
+
+  // Three workers each take the slot's task and lose it to reclaim(): each
+  // holds an older lap of the slot than the next.
+  std::unique_ptr<WorkerRing> stale_queued = started(1);
   ring->assign(s, 10, 0, task, sizeof task);
-  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::Ready && t_old.seq == 10,
+  ck.require(stale_queued->next_task(0, &t) == WaitResult::Ready && t.seq == 10,
              "next_task(seq 10)");
+  const uint64_t lap10 = t.lap;
   ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim of a WRITING slot");
-  ck.require(ring->state(s) == SlotState::Free && ring->free_slot_count() == 1,
+  ck.require(seg.state(s) == SlotState::Free && ring->free_slot_count() == 1,
              "a reclaimed slot is FREE and off the free bitmap");
   ck.require(ring->reclaim(s) == ReclaimResult::NotInFlight, "reclaim of a FREE slot");
-  // Reassigned (a new lap) but not taken yet: the late commit is refused.
   ring->assign(s, 11, 0, task, sizeof task);
-  ck.require(ring->lap(s) == t_old.lap + 1, "assign() bumps the lap");
-  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
-             "late commit into a reassigned, queued slot was accepted");
-  ck.require(ring->state(s) == SlotState::Assigned, "a refused commit changed the slot");
-  // Taken by the worker under the new lap: still refused.
-  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Ready && t.seq == 11 && t.slot == s,
+  ck.require(seg.lap(s) == lap10 + 1, "assign() bumps the lap");
+  std::unique_ptr<WorkerRing> stale_writing = started(2);
+  ck.require(stale_writing->next_task(0, &t) == WaitResult::Ready && t.seq == 11 && t.slot == s,
              "next_task(seq 11)");
-  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
+  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim(seq 11)");
+  ring->assign(s, 12, 0, task, sizeof task);
+  std::unique_ptr<WorkerRing> stale_ready = started(3);
+  ck.require(stale_ready->next_task(0, &t) == WaitResult::Ready && t.seq == 12 && t.slot == s,
+             "next_task(seq 12)");
+  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim(seq 12)");
+  // Reassigned (a new lap) but not taken yet: the late commit is refused.
+  ring->assign(s, 13, 0, task, sizeof task);
+  ck.require(stale_queued->commit(s, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
+             "late commit into a reassigned, queued slot was accepted");
+  ck.require(seg.state(s) == SlotState::Assigned, "a refused commit changed the slot");
+  // Taken by a worker under the new lap: still refused.
+  std::unique_ptr<WorkerRing> current = started(4);
+  ck.require(current->next_task(0, &t) == WaitResult::Ready && t.seq == 13 && t.slot == s,
+             "next_task(seq 13)");
+  ck.require(stale_writing->commit(s, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed,
              "late commit into a reassigned WRITING slot was accepted");
-  ck.require(ring->state(s) == SlotState::Writing && !ring->is_ready(s, 10) && !ring->is_ready(s, 11),
+  ck.require(seg.state(s) == SlotState::Writing && !ring->is_ready(s, 11) && !ring->is_ready(s, 13),
              "a refused commit made the slot look ready");
-  ck.require(ring->commit(t, SlotResult{2, 0, 0, 0}) == CommitResult::Committed, "commit(seq 11)");
-  ck.require(ring->wait_ready(s, 11, 0) == WaitResult::Ready && ring->result(s).kind == 2,
+  ck.require(current->commit(s, SlotResult{2, 0, 0, 0}) == CommitResult::Committed,
+             "commit(seq 13)");
+  ck.require(ring->wait_ready(s, 13, 0) == WaitResult::Ready && ring->result(s).kind == 2,
              "the new lap's result");
   bool threw = false;
   try {
-    ring->commit(t, SlotResult{3, 0, 0, 0});
+    current->commit(s, SlotResult{3, 0, 0, 0});
   } catch (const std::logic_error&) {
     threw = true;
   }
   ck.require(threw && ring->result(s).kind == 2, "a second commit() is a logic error");
-  ck.require(ring->commit(t_old, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed &&
+  ck.require(stale_ready->commit(s, SlotResult{1, 0, 0, 0}) == CommitResult::Reclaimed &&
                  ring->result(s).kind == 2,
              "late commit into a READY slot of a later lap");
   ring->release(s);
 
   // A queued task reclaimed: its entry stays in the queue and is skipped.
   ck.require(ring->pop_free_slot(&s), "pop_free_slot");
-  ring->assign(s, 12, 0, task, sizeof task);
+  ring->assign(s, 20, 0, task, sizeof task);
   ck.require(ring->reclaim(s) == ReclaimResult::WasQueued, "reclaim of an ASSIGNED slot");
-  ring->assign(s, 13, 0, task, sizeof task);
-  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Ready && t.seq == 13,
-             "the stale entry of seq 12 was not skipped (got seq %" PRIu64 ")", t.seq);
-  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::TimedOut, "queue not empty");
-  ck.require(ring->commit(t, SlotResult{4, 0, 0, 0}) == CommitResult::Committed, "commit(13)");
-  ck.require(ring->is_ready(s, 13), "seq 13 ready");
+  ring->assign(s, 21, 0, task, sizeof task);
+  ck.require(current->next_task(0, &t) == WaitResult::Ready && t.seq == 21,
+             "the stale entry of seq 20 was not skipped (got seq %" PRIu64 ")", t.seq);
+  TaskRef none{};
+  ck.require(current->next_task(0, &none) == WaitResult::TimedOut, "queue not empty");
+  ck.require(current->commit(s, SlotResult{4, 0, 0, 0}) == CommitResult::Committed, "commit(21)");
+  ck.require(ring->is_ready(s, 21), "seq 21 ready");
   ring->release(s);
 
-  // reset_worker() while the old worker holds a task and later sleeps.
+  // reset_worker() while the worker holds a task and later sleeps.
   ck.require(ring->pop_free_slot(&s), "pop_free_slot");
-  ring->assign(s, 14, 0, task, sizeof task);
-  ck.require(ring->next_task(old_me, 0, &t_old) == WaitResult::Ready && t_old.seq == 14,
-             "next_task(seq 14)");
-  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim(seq 14)");
+  ring->assign(s, 22, 0, task, sizeof task);
+  ck.require(current->next_task(0, &t) == WaitResult::Ready && t.seq == 22, "next_task(seq 22)");
+  ck.require(ring->reclaim(s) == ReclaimResult::WasTaken, "reclaim(seq 22)");
   ring->reset_worker(0);
   ck.require(ring->worker_pid(0) == 0 && ring->worker_current_seq(0) == fastload::kNoSeq,
              "reset_worker() clears pid and current seq");
   int64_t t0 = monotonic_ns();
-  ck.require(ring->next_task(old_me, 1000 * kMs, &t) == WaitResult::Shutdown &&
+  ck.require(current->next_task(1000 * kMs, &none) == WaitResult::Shutdown &&
                  monotonic_ns() - t0 < slack && !ring->is_shutdown(),
              "a retired worker's next_task does not answer Shutdown at once");
-  ck.require(ring->commit(t_old, SlotResult{5, 0, 0, 0}) == CommitResult::Reclaimed,
+  ck.require(current->commit(s, SlotResult{5, 0, 0, 0}) == CommitResult::Reclaimed,
              "a retired worker's commit was accepted");
-  const fastload::WorkerTicket new_me = ring->worker_started(0, 2);
-  // The old worker asleep with an "infinite" timeout: reset_worker wakes it.
+  // A replacement asleep with an "infinite" timeout: reset_worker wakes it.
+  std::unique_ptr<WorkerRing> replacement = started(5);
   WaitResult r_old = WaitResult::Ready;
   int64_t el_old = 0;
   std::thread sleeper([&] {
     const int64_t a = monotonic_ns();
     TaskRef tt{};
-    const fastload::WorkerTicket me = new_me;
-    r_old = ring->next_task(me, INT64_MAX, &tt);
+    r_old = replacement->next_task(INT64_MAX, &tt);
     el_old = monotonic_ns() - a;
   });
   sleep_us(30 * 1000);
@@ -1315,13 +1360,13 @@ void late_commit_test(const Options& o, Checker& ck) {
   ck.require(r_old == WaitResult::Shutdown && el_old <= 30 * kMs + slack,
              "reset_worker() woke a sleeping worker after %.1f ms with %s", ms(el_old),
              wait_name(r_old));
-  const fastload::WorkerTicket third = ring->worker_started(0, 3);
-  ring->assign(s, 15, 0, task, sizeof task);
-  ck.require(ring->next_task(old_me, 0, &t) == WaitResult::Shutdown, "old ticket still retired");
-  ck.require(ring->next_task(third, 0, &t) == WaitResult::Ready && t.seq == 15,
+  std::unique_ptr<WorkerRing> third = started(6);
+  ring->assign(s, 23, 0, task, sizeof task);
+  ck.require(current->next_task(0, &none) == WaitResult::Shutdown, "old worker still retired");
+  ck.require(third->next_task(0, &t) == WaitResult::Ready && t.seq == 23,
              "the replacement gets the next task");
-  ck.require(ring->commit(t, SlotResult{6, 0, 0, 0}) == CommitResult::Committed, "commit(15)");
-  ck.require(ring->wait_ready(s, 15, 0) == WaitResult::Ready, "seq 15 ready");
+  ck.require(third->commit(s, SlotResult{6, 0, 0, 0}) == CommitResult::Committed, "commit(23)");
+  ck.require(ring->wait_ready(s, 23, 0) == WaitResult::Ready, "seq 23 ready");
   ring->release(s);
   ck.require(ring->free_slot_count() == 2, "every slot free at the end");
   std::printf("  late commit: refused after reclaim (queued, reassigned, taken, ready), stale "
@@ -1345,8 +1390,9 @@ void reclaim_race_test(const Options& o, Checker& ck) {
   const uint32_t S = std::max<uint32_t>(o.slots, 2);
   const uint64_t N = o.reclaim_items;
   const uint64_t slot_bytes = std::min<uint64_t>(o.slot_bytes, 16384);
-  std::shared_ptr<Ring> ring = Ring::create(S, W, slot_bytes);
-  const uint64_t max_size = ring->slot_bytes() - 128;
+  std::shared_ptr<MainRing> ring = MainRing::create(S, W, slot_bytes);
+  const RingSegment& seg = *ring->segment();
+  const uint64_t max_size = seg.slot_bytes() - 128;
   std::unique_ptr<std::atomic<uint64_t>[]> done_lap(new std::atomic<uint64_t>[S]);
   for (uint32_t i = 0; i < S; ++i) done_lap[i].store(~0ULL);
   std::atomic<uint64_t> refused{0};
@@ -1356,16 +1402,17 @@ void reclaim_race_test(const Options& o, Checker& ck) {
   auto worker_fn = [&](uint32_t w, uint64_t wseed, std::shared_ptr<std::atomic<int>> ended) {
     Checker wk("reclaim worker " + std::to_string(w));
     std::mt19937_64 rng(wseed);
-    const fastload::WorkerTicket me = ring->worker_started(w, current_tid());
+    WorkerRing me(ring->segment());
+    me.worker_started(w, current_tid());
     for (;;) {
       TaskRef t{};
-      const WaitResult r = ring->next_task(me, 50 * kMs, &t);
+      const WaitResult r = me.next_task(50 * kMs, &t);
       if (r == WaitResult::Shutdown) {
-        ended->store(ring->is_shutdown() ? 2 : 1);
+        ended->store(seg.is_shutdown() ? 2 : 1);
         break;
       }
       if (r == WaitResult::TimedOut) continue;
-      char* p = ring->payload(t.slot);
+      char* p = seg.payload(t.slot);
       Task task{};
       std::memcpy(&task, p, sizeof task);
       if (!wk.check(t.task_len == sizeof task && task.magic == kTaskMagic &&
@@ -1376,8 +1423,8 @@ void reclaim_race_test(const Options& o, Checker& ck) {
       const uint64_t size = std::min<uint64_t>(task.size, max_size);
       write_result(p, size, t.seq, task.seed, w);
       if (rng() % 100 < 10) sleep_us(rng() % 100);
-      const CommitResult cr = ring->commit(
-          t, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
+      const CommitResult cr = me.commit(
+          t.slot, SlotResult{result_kind(t.seq, w), size, meta_offset_for(size), sizeof(ResultMeta)});
       if (cr == CommitResult::Reclaimed) {
         refused.fetch_add(1);
         fastload::sync::store_release(done_lap[t.slot], t.lap);  // test-side hand-back
@@ -1415,16 +1462,16 @@ void reclaim_race_test(const Options& o, Checker& ck) {
 
   auto reclaim_one = [&](size_t k) {
     const Flight f = flight[k].second;
-    const uint64_t lap = ring->lap(f.slot);
+    const uint64_t lap = seg.lap(f.slot);
     const ReclaimResult r = ring->reclaim(f.slot);
     if (r == ReclaimResult::NotInFlight) {  // the commit won: it stays in flight, READY
       ++lost_race;
-      ck.require(ring->state(f.slot) == SlotState::Ready, "reclaim refused but slot %u is %s",
-                 f.slot, state_name(ring->state(f.slot)));
+      ck.require(seg.state(f.slot) == SlotState::Ready, "reclaim refused but slot %u is %s",
+                 f.slot, state_name(seg.state(f.slot)));
       return false;
     }
-    ck.require(ring->state(f.slot) == SlotState::Free, "reclaimed slot %u is %s", f.slot,
-               state_name(ring->state(f.slot)));
+    ck.require(seg.state(f.slot) == SlotState::Free, "reclaimed slot %u is %s", f.slot,
+               state_name(seg.state(f.slot)));
     if (r == ReclaimResult::WasQueued) {
       ++reclaimed_queued;
       ring->push_free_slot(f.slot);
@@ -1488,7 +1535,7 @@ void reclaim_race_test(const Options& o, Checker& ck) {
     const SlotResult res = ring->result(f.slot);
     const uint64_t size = std::min<uint64_t>(f.task.size, max_size);
     ResultMeta m{};
-    const char* p = ring->payload(f.slot);
+    const char* p = seg.payload(f.slot);
     std::memcpy(&m, p + meta_offset_for(size), sizeof m);
     ck.require(res.kind == result_kind(seq, f.worker) && res.data_len == size && m.seq == seq &&
                    m.check == meta_check(m) &&
@@ -1532,8 +1579,8 @@ void reclaim_race_test(const Options& o, Checker& ck) {
   ck.require(ring->free_slot_count() == S, "%zu of %u slots free at the end",
              ring->free_slot_count(), S);
   for (uint32_t i = 0; i < S; ++i)
-    ck.require(ring->state(i) == SlotState::Free, "slot %u is %s at the end", i,
-               state_name(ring->state(i)));
+    ck.require(seg.state(i) == SlotState::Free, "slot %u is %s at the end", i,
+               state_name(seg.state(i)));
   std::printf("  reclaim race: %" PRIu64 " items in %.0f ms, reclaimed %" PRIu64 " queued + %" PRIu64
               " taken (%" PRIu64 " late commits refused), %" PRIu64 " lost to the commit, %" PRIu64
               " workers replaced while running\n",
@@ -1572,7 +1619,7 @@ int main(int argc, char** argv) {
     // joined by then, but processes first keeps TSan's fork support simple.
     if (o.mode == "process" || o.mode == "both") {
       ck.set_who("main: process mode");
-      std::printf("process mode (%u forked workers, Ring::attach(dup(fd))):\n", o.workers);
+      std::printf("process mode (%u forked workers, WorkerRing::attach(dup(fd))):\n", o.workers);
       const int64_t t0 = monotonic_ns();
       ModeResult r = run_process_mode(o, ck);
       worker_passed += r.worker_passed;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ring.h"
+#include "ring_main.h"
 #include "sync.h"
 
 namespace fastload_stress {
@@ -100,7 +101,7 @@ struct WorkerThread {
 // (every worker's next_task() answers Shutdown), then join every thread,
 // the live ones and those already retired.
 struct WorkerJoiner {
-  fastload::Ring& ring;
+  fastload::MainRing& ring;
   std::vector<WorkerThread>& live;
   std::vector<WorkerThread>& retired;
   ~WorkerJoiner() {
@@ -116,7 +117,7 @@ struct WorkerJoiner {
 // once the test's worker has handed it back: done_lap[slot] == that lap.
 using Quarantine = std::vector<std::pair<uint32_t, uint64_t>>;
 
-inline void release_handed_back(fastload::Ring& ring, Quarantine& q,
+inline void release_handed_back(fastload::MainRing& ring, Quarantine& q,
                                 const std::atomic<uint64_t>* done_lap) {
   for (size_t i = 0; i < q.size();) {
     // Acquire: pairs with the worker's store_release of done_lap after its

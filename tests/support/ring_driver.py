@@ -18,19 +18,25 @@ def new_ring(num_slots: int = 8, num_workers: int = 2) -> _core.Ring:
 
 
 class FakeWorker:
-    """Worker ``worker`` of ``ring``, played by the test."""
+    """Worker ``worker`` of ``ring``, played by the test: the ring's worker
+    side (``_core.WorkerRing``), attached by fd as a worker attaches it."""
 
     def __init__(self, ring: _core.Ring, worker: int) -> None:
-        self.ring = _core.Ring.attach(os.dup(ring.fd))  # attach takes the fd it is given
+        self.ring = _core.WorkerRing.attach(os.dup(ring.fd))  # attach takes the fd it is given
         self.worker = worker
+        self._joined = False
 
     def join(self, pid: Optional[int] = None) -> None:
         """Attach as a started worker does (its progress counts from now)."""
         self.ring.worker_started(self.worker, os.getpid() if pid is None else pid)
+        self._joined = True
 
     def take(self) -> Optional[Tuple[int, int]]:
-        """The next task's (slot, seq), or None if its queue is empty."""
-        status, slot, seq, _n = self.ring.next_task(self.worker, 0.0)
+        """The next task's (slot, seq), or None if its queue is empty (joins
+        first if the test did not)."""
+        if not self._joined:
+            self.join()
+        status, slot, seq, _n = self.ring.next_task(0.0)
         return (slot, seq) if status == _core.WaitResult.READY else None
 
     def commit(self, slot: int, kind: int = Kind.DATA, data_len: int = 0, make_ns: int = 0) -> None:

@@ -1,31 +1,57 @@
-// fastload/src/ring.cpp — the main process's side of the ring: the free
+// fastload/src/ring_main.cpp — the main process's side of the ring: the free
 // slots, assigning tasks, taking completions and waiting for them, leases,
-// reclaims and shutdown. The segment (create, attach, the layout checked) is
-// in ring_segment.cpp, the worker's side in ring_worker.cpp; the protocol is
-// described in ring.h.
+// reclaims, shutdown and the death watch. The segment (create, attach, the
+// layout checked) is in ring_segment.cpp, the worker's side in
+// ring_worker.cpp; the protocol is described in ring.h.
 
-#include "ring.h"
-#include "ring_detail.h"
+#include "ring_main.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-#include <sys/mman.h>
-#include <unistd.h>
 #include <stdexcept>
 #include <string>
+#include <utility>
+
+#include "ring_detail.h"
 
 namespace fastload {
 
 using namespace detail;  // NOLINT: the helpers shared with ring_worker.cpp
 
-// ---- main process: the free bitmap ----------------------------------------
+// ---- construction ---------------------------------------------------------
 
-void Ring::set_free_bit(uint32_t s) {
+MainRing::MainRing(std::shared_ptr<RingSegment> seg)
+    : seg_(std::move(seg)),
+      hdr_(&seg_->header()),
+      cq_taken_(new bool[kCompletionCapacity]()),
+      ready_lap_(new uint64_t[seg_->num_slots()]) {
+  for (uint32_t s = 0; s < seg_->num_slots(); ++s) ready_lap_[s] = kNoLap;
+  {
+    std::lock_guard<std::mutex> g(free_mu_);
+    for (uint32_t s = 0; s < seg_->num_slots(); ++s) set_free_bit(s);
+  }
+  watch_ = std::make_unique<DeathWatch>([this] { wake_main(); });
+}
+
+MainRing::~MainRing() = default;
+
+std::shared_ptr<MainRing> MainRing::create(uint32_t num_slots, uint32_t num_workers,
+                                           uint64_t slot_bytes, bool force_shm) {
+  return std::shared_ptr<MainRing>(
+      new MainRing(RingSegment::create(num_slots, num_workers, slot_bytes, force_shm)));
+}
+
+// ---- the free bitmap ------------------------------------------------------
+
+void MainRing::set_free_bit(uint32_t s) {
   free_bits_[s / 64] |= uint64_t{1} << (s % 64);
   ++free_count_;
 }
 
-bool Ring::pop_free_slot(uint32_t* s, bool highest) {
+bool MainRing::pop_free_slot(uint32_t* s, bool highest) {
   std::lock_guard<std::mutex> g(free_mu_);
   if (free_count_ == 0) return false;
   // Batches take the lowest free slot, always: a slot's pages stay committed
@@ -44,7 +70,7 @@ bool Ring::pop_free_slot(uint32_t* s, bool highest) {
   }
   static_assert(kWords * 64 == kMaxSlots, "bitmap size");
   if (found == kMaxSlots) throw std::logic_error("fastload: free bitmap count is wrong");
-  if (word_state(load_acquire(slot(found).state)) != SlotState::Free)
+  if (word_state(load_acquire(seg_->slot(found).state)) != SlotState::Free)
     throw std::logic_error("fastload: slot " + str(found) + " is on the free bitmap but not FREE");
   free_bits_[found / 64] &= ~(uint64_t{1} << (found % 64));
   --free_count_;
@@ -52,9 +78,9 @@ bool Ring::pop_free_slot(uint32_t* s, bool highest) {
   return true;
 }
 
-void Ring::push_free_slot(uint32_t s) {
-  check_slot(s);
-  if (word_state(load_acquire(slot(s).state)) != SlotState::Free)
+void MainRing::push_free_slot(uint32_t s) {
+  seg_->check_slot(s);
+  if (word_state(load_acquire(seg_->slot(s).state)) != SlotState::Free)
     throw std::logic_error("fastload: push_free_slot() of a slot that is not FREE");
   std::lock_guard<std::mutex> g(free_mu_);
   if (free_bits_[s / 64] & (uint64_t{1} << (s % 64)))
@@ -63,9 +89,9 @@ void Ring::push_free_slot(uint32_t s) {
   set_free_bit(s);
 }
 
-size_t Ring::trim_free_slot(uint32_t s, size_t keep) {
-  check_slot(s);
-  if (seg_.backend() != SegmentBackend::Memfd) return 0;
+size_t MainRing::trim_free_slot(uint32_t s, size_t keep) {
+  seg_->check_slot(s);
+  if (seg_->backend() != SegmentBackend::Memfd) return 0;
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t slot_bytes = static_cast<size_t>(hdr_->slot_bytes);
   keep = (keep + page - 1) / page * page;
@@ -74,23 +100,23 @@ size_t Ring::trim_free_slot(uint32_t s, size_t keep) {
   // worker) while its pages go.
   std::lock_guard<std::mutex> g(free_mu_);
   if (!(free_bits_[s / 64] & (uint64_t{1} << (s % 64)))) return 0;
-  char* start = payload(s) + keep;
+  char* start = seg_->payload(s) + keep;
   const size_t len = slot_bytes - keep;
   if (madvise(start, len, MADV_REMOVE) != 0) return 0;
   return len;
 }
 
-size_t Ring::free_slot_count() const {
+size_t MainRing::free_slot_count() const {
   std::lock_guard<std::mutex> g(free_mu_);
   return free_count_;
 }
 
-// ---- main process: tasks --------------------------------------------------
+// ---- tasks ----------------------------------------------------------------
 
-void Ring::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t task_len) {
-  check_slot(s);
-  check_worker(w);
-  ShmSlot& sl = slot(s);
+void MainRing::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t task_len) {
+  seg_->check_slot(s);
+  seg_->check_worker(w);
+  ShmSlot& sl = seg_->slot(s);
   // Only main moves a slot out of FREE, so this read cannot go stale before
   // the CAS below.
   uint64_t word = load_acquire(sl.state);
@@ -106,11 +132,11 @@ void Ring::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t
     throw std::length_error("fastload: task of " + str(task_len) +
                             " bytes does not fit a slot of " + str(hdr_->slot_bytes) +
                             " bytes (raise slot_bytes)");
-  ShmWorker& q = worker(w);
+  ShmWorker& q = seg_->worker(w);
   const uint32_t tail = load_relaxed(q.tail);  // only main writes tail
   if (tail - load_acquire(q.head) >= kMaxSlots)
     throw std::logic_error("fastload: the queue of worker " + str(w) + " is full");
-  if (task_len > 0) std::memcpy(payload(s), task, task_len);
+  if (task_len > 0) std::memcpy(seg_->payload(s), task, task_len);
   store_relaxed(sl.worker, w);
   store_relaxed(sl.seq, seq);
   store_relaxed(sl.task_len, static_cast<uint64_t>(task_len));
@@ -129,21 +155,21 @@ void Ring::assign(uint32_t s, uint64_t seq, uint32_t w, const void* task, size_t
   if (load_relaxed(q.sleeping) != 0) sync::futex_wake_all(&q.doorbell);
 }
 
-// ---- main process: results -------------------------------------------------
+// ---- results --------------------------------------------------------------
 
-bool Ring::is_ready(uint32_t s, uint64_t seq) const {
-  check_slot(s);
-  const ShmSlot& sl = slot(s);
+bool MainRing::is_ready(uint32_t s, uint64_t seq) const {
+  seg_->check_slot(s);
+  const ShmSlot& sl = seg_->slot(s);
   // Acquire pairs with commit()'s release of READY: result fields and
   // payload are visible once this returns true. `seq` is main's own write
   // (assign), and READY can only come from the lap that assign() started.
   return word_state(load_acquire(sl.state)) == SlotState::Ready && load_relaxed(sl.seq) == seq;
 }
 
-// ---- main process: completions ---------------------------------------------
+// ---- completions ----------------------------------------------------------
 
-void Ring::take_completions() {
-  ShmCompletions& cq = completions();
+void MainRing::take_completions() {
+  ShmCompletions& cq = seg_->completions();
   // Acquire: positions below `tail` were taken by producers; their cells are
   // read (acquire) one by one below.
   const uint32_t tail = load_acquire(cq.tail);
@@ -168,7 +194,7 @@ void Ring::take_completions() {
     cq_taken_[i] = true;
     const uint32_t s = completion_slot(e);
     if (s >= hdr_->num_slots) continue;  // cannot happen: a worker wrote it
-    const uint64_t word = load_acquire(slot(s).state);
+    const uint64_t word = load_acquire(seg_->slot(s).state);
     // Dropped unless the slot is still READY on the lap that pushed it: a
     // slot main already released, reclaimed or assigned again (its state
     // word says so) has nothing to say.
@@ -181,19 +207,19 @@ void Ring::take_completions() {
   }
 }
 
-void Ring::rescan_slots() {
+void MainRing::rescan_slots() {
   rescan_due_ = false;
   ++rescans_;
-  if (watch_ != nullptr) rescanned_deaths_ = watch_->events();
+  rescanned_deaths_ = watch_->events();
   for (uint32_t s = 0; s < hdr_->num_slots; ++s) {
-    const uint64_t word = load_acquire(slot(s).state);
+    const uint64_t word = load_acquire(seg_->slot(s).state);
     if (word_state(word) == SlotState::Ready) ready_lap_[s] = word_lap(word);
   }
 }
 
-bool Ring::find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, size_t* which) {
+bool MainRing::find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, size_t* which) {
   take_completions();
-  if (!rescan_due_ && watch_ != nullptr && watch_->events() != rescanned_deaths_)
+  if (!rescan_due_ && watch_->events() != rescanned_deaths_)
     rescan_due_ = true;  // a worker died, maybe between its READY and its push
   if (rescan_due_) rescan_slots();
   for (size_t i = 0; i < n; ++i) {
@@ -202,13 +228,13 @@ bool Ring::find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, siz
     if (lap == kNoLap) continue;
     // Acquire pairs with commit()'s release of READY: result fields and
     // payload are visible. The table is only a hint: the word decides.
-    if (load_acquire(slot(s).state) != slot_word(lap, SlotState::Ready)) {
+    if (load_acquire(seg_->slot(s).state) != slot_word(lap, SlotState::Ready)) {
       ready_lap_[s] = kNoLap;  // released, reclaimed or reassigned since
       continue;
     }
     // `seq` is main's own write (assign), made before the lap began. A READY
     // slot with another stamp stays in the table for whoever wants that one.
-    if (load_relaxed(slot(s).seq) == seqs[i]) {
+    if (load_relaxed(seg_->slot(s).seq) == seqs[i]) {
       *which = i;
       return true;
     }
@@ -216,23 +242,23 @@ bool Ring::find_ready(const uint32_t* slots, const uint64_t* seqs, size_t n, siz
   return false;
 }
 
-bool Ring::any_dead() const { return watch_ != nullptr && watch_->dead_count() != 0; }
+bool MainRing::any_dead() const { return watch_->dead_count() != 0; }
 
-void Ring::wake_main() {
+void MainRing::wake_main() {
   // Bump the word before waking, as commit() does, so a waiter between its
   // look and its futex_wait does not sleep through this.
   bump_release(hdr_->completions);
   sync::futex_wake_all(&hdr_->completions);
 }
 
-WaitResult Ring::wait_ready(uint32_t s, uint64_t seq, int64_t timeout_ns) {
+WaitResult MainRing::wait_ready(uint32_t s, uint64_t seq, int64_t timeout_ns) {
   size_t which = 0;
   return wait_any(&s, &seq, 1, timeout_ns, &which);
 }
 
-WaitResult Ring::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
+WaitResult MainRing::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
                           int64_t timeout_ns, size_t* which) {
-  for (size_t i = 0; i < n; ++i) check_slot(slots[i]);
+  for (size_t i = 0; i < n; ++i) seg_->check_slot(slots[i]);
   std::unique_lock<std::mutex> lock(cq_mu_, std::defer_lock);
   auto look = [&] {
     lock.lock();
@@ -284,29 +310,28 @@ WaitResult Ring::wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n,
   }
 }
 
-void Ring::watch_worker(uint32_t w, int fd) {
-  check_worker(w);
-  if (watch_ == nullptr) throw std::logic_error("fastload: watch_worker() outside the main process");
+void MainRing::watch_worker(uint32_t w, int fd) {
+  seg_->check_worker(w);
   watch_->watch(w, fd);
 }
 
-void Ring::unwatch_worker(uint32_t w) {
-  check_worker(w);
-  if (watch_ != nullptr) watch_->unwatch(w);
+void MainRing::unwatch_worker(uint32_t w) {
+  seg_->check_worker(w);
+  watch_->unwatch(w);
 }
 
-uint64_t Ring::rescan_count() const {
+uint64_t MainRing::rescan_count() const {
   std::lock_guard<std::mutex> g(cq_mu_);
   return rescans_;
 }
 
-std::vector<uint32_t> Ring::dead_workers() const {
-  return watch_ != nullptr ? watch_->dead() : std::vector<uint32_t>{};
+std::vector<uint32_t> MainRing::dead_workers() const {
+  return watch_->dead();
 }
 
-SlotResult Ring::result(uint32_t s) const {
-  check_slot(s);
-  const ShmSlot& sl = slot(s);
+SlotResult MainRing::result(uint32_t s) const {
+  seg_->check_slot(s);
+  const ShmSlot& sl = seg_->slot(s);
   const SlotState st = word_state(load_acquire(sl.state));
   if (st != SlotState::Ready && st != SlotState::Leased)
     throw std::logic_error("fastload: result() of a slot that is not READY");
@@ -315,9 +340,9 @@ SlotResult Ring::result(uint32_t s) const {
                     load_relaxed(sl.make_ns)};
 }
 
-void Ring::lease(uint32_t s) {
-  check_slot(s);
-  ShmSlot& sl = slot(s);
+void MainRing::lease(uint32_t s) {
+  seg_->check_slot(s);
+  ShmSlot& sl = seg_->slot(s);
   uint64_t word = load_acquire(sl.state);
   // Only main leaves READY, so the CAS fails only on misuse.
   if (word_state(word) != SlotState::Ready ||
@@ -325,9 +350,9 @@ void Ring::lease(uint32_t s) {
     throw std::logic_error("fastload: lease() of a slot that is not READY");
 }
 
-void Ring::release(uint32_t s) {
-  check_slot(s);
-  ShmSlot& sl = slot(s);
+void MainRing::release(uint32_t s) {
+  seg_->check_slot(s);
+  ShmSlot& sl = seg_->slot(s);
   uint64_t word = load_acquire(sl.state);
   const SlotState st = word_state(word);
   // Main read the payload before this (views are dead); the next assign()
@@ -339,11 +364,11 @@ void Ring::release(uint32_t s) {
   set_free_bit(s);
 }
 
-void Ring::shutdown() {
+void MainRing::shutdown() {
   store_release(hdr_->shutdown, 1u);
-  if (watch_ != nullptr) watch_->stop();
+  watch_->stop();
   for (uint32_t w = 0; w < hdr_->num_workers; ++w) {
-    ShmWorker& q = worker(w);
+    ShmWorker& q = seg_->worker(w);
     bump_release(q.doorbell);
     sync::futex_wake_all(&q.doorbell);
   }
@@ -355,11 +380,9 @@ void Ring::shutdown() {
   sync::futex_wake_all(&hdr_->completions);
 }
 
-bool Ring::is_shutdown() const { return load_acquire(hdr_->shutdown) != 0; }
-
-void Ring::reset_worker(uint32_t w) {
-  check_worker(w);
-  ShmWorker& q = worker(w);
+void MainRing::reset_worker(uint32_t w) {
+  seg_->check_worker(w);
+  ShmWorker& q = seg_->worker(w);
   // Retire first: a worker still running under the old generation sees it
   // before its next claim, and a claim it has under way fails against the
   // moved head below.
@@ -375,9 +398,9 @@ void Ring::reset_worker(uint32_t w) {
   sync::futex_wake_all(&q.doorbell);
 }
 
-ReclaimResult Ring::reclaim(uint32_t s) {
-  check_slot(s);
-  ShmSlot& sl = slot(s);
+ReclaimResult MainRing::reclaim(uint32_t s) {
+  seg_->check_slot(s);
+  ShmSlot& sl = seg_->slot(s);
   uint64_t word = load_acquire(sl.state);
   // Retried only while a worker moves the same lap along (ASSIGNED ->
   // WRITING -> COMMITTING): either main frees it, or the worker reaches
@@ -390,19 +413,19 @@ ReclaimResult Ring::reclaim(uint32_t s) {
   return ReclaimResult::NotInFlight;
 }
 
-uint32_t Ring::worker_pid(uint32_t w) const {
-  check_worker(w);
-  return load_acquire(worker(w).pid);
+uint32_t MainRing::worker_pid(uint32_t w) const {
+  seg_->check_worker(w);
+  return load_acquire(seg_->worker(w).pid);
 }
 
-uint64_t Ring::worker_progress(uint32_t w) const {
-  check_worker(w);
-  return load_acquire(worker(w).progress);
+uint64_t MainRing::worker_progress(uint32_t w) const {
+  seg_->check_worker(w);
+  return load_acquire(seg_->worker(w).progress);
 }
 
-uint64_t Ring::worker_current_seq(uint32_t w) const {
-  check_worker(w);
-  return load_acquire(worker(w).current_seq);
+uint64_t MainRing::worker_current_seq(uint32_t w) const {
+  seg_->check_worker(w);
+  return load_acquire(seg_->worker(w).current_seq);
 }
 
 }  // namespace fastload
