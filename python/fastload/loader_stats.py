@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
+
+from .autoscale import cores_available
 
 log = logging.getLogger("fastload")
 # One DEBUG record per epoch started and ended, carrying the meter
@@ -330,13 +331,6 @@ def _enough(s: LoaderStats) -> bool:
     return s.batches >= 4 * max(1, s.workers)
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def advice(s: LoaderStats) -> str:
     """One line: how long the loop waited, what bounded the epoch, what to try."""
     head = (f"the training loop waited {s.wait_share:.0%} of the epoch for batches "
@@ -360,7 +354,7 @@ def advice(s: LoaderStats) -> str:
                        f"to make a batch against {sorted(others)[len(others) // 2]:.1f} ms for "
                        f"the others{where}")
     if busy >= _BUSY:
-        cores = _cores()
+        cores = cores_available()
         more = (f"more workers ({cores} cores are available to this process) or cheaper "
                 f"transforms would help" if s.workers < cores else
                 f"the workers already match the {cores} cores available to this process: "

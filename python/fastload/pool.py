@@ -299,13 +299,7 @@ class WorkerPool:
         # The retired workers are gone before new ones attach (one queue each).
         deadline = time.monotonic() + 2.0
         for p in old:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.exitcode is None:
-                log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
-                p.kill()
-                p.join(5.0)
-            if isinstance(p, Child):
-                p.close()
+            _wait_retired(p, max(0.0, deadline - time.monotonic()))
         self._forget_workers_past(self.num_workers)  # num_workers="auto" shrank it
         for i in range(self.num_workers):
             self._start_worker(i)
@@ -333,13 +327,7 @@ class WorkerPool:
             self.ring.unwatch_worker(w)  # it exits on purpose
             self._collect_overflow(w)
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
-            p.join(2.0)
-            if p.exitcode is None:
-                log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
-                p.kill()
-                p.join(5.0)
-            if isinstance(p, Child):
-                p.close()
+            _wait_retired(p, 2.0)
             self._forget_workers_past(w)
         self.num_workers = n
 
@@ -499,6 +487,18 @@ class WorkerPool:
             except Exception:  # pragma: no cover - never let clean-up raise
                 pass
         self._finalizer()
+
+
+def _wait_retired(p: Any, timeout: float) -> None:
+    """Wait up to ``timeout`` s for a retired worker to exit on its own (it
+    sees the ring's answer at its next look), then kill it."""
+    p.join(timeout)
+    if p.exitcode is None:
+        log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
+        p.kill()
+        p.join(5.0)
+    if isinstance(p, Child):
+        p.close()
 
 
 def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
