@@ -134,3 +134,23 @@ def test_resume_of_an_auto_loader_starts_with_the_saved_count() -> None:
     rest = [int(i) for b in it for i in b]
     assert first + rest == order
     assert again.stats().workers <= sd["workers_in_use"]  # type: ignore[union-attr]
+
+
+def test_a_worker_that_cannot_be_started_keeps_the_count(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # Out of processes (EAGAIN from fork) when the rule asks for more: a
+    # warning, the epoch goes on with the workers it has, every index once.
+    from fastload.pool import WorkerPool
+
+    def grow(self: Any, n: int) -> List[int]:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(WorkerPool, "grow", grow)
+    n = 240
+    dl = FastLoader(SlowProbe(n, delay=0.005), batch_size=4, num_workers="auto")
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        batches = _epoch(dl)
+    assert [int(i) for b in batches for i in b["index"]] == list(range(n))
+    assert dl.stats().workers == START  # type: ignore[union-attr]
+    warned = [r for r in caplog.records if "could not start more workers" in r.getMessage()]
+    assert len(warned) == 1  # once: the count's cap is now the count it has

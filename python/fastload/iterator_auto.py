@@ -89,14 +89,22 @@ class AutoCountMixin:
             self._shrink(new)
         state = self._state_ref()
         if state is not None:
-            state.auto_count = new
+            state.auto_count = self._num_workers
 
     def _grow(self, new: int) -> None:
         """Start workers up to ``new`` and give them tasks at once."""
         pool = self._pool
         assert pool is not None
         n = self._num_workers
-        added = pool.grow(new)
+        try:
+            added = pool.grow(new)
+        except (OSError, RuntimeError) as e:  # out of processes or memory: keep the count
+            log.warning("fastload: num_workers='auto' could not start more workers (%s); "
+                        "staying at %d", str(e), n)  # not e: its traceback holds the pool
+            pool.shrink(n)
+            assert self._auto is not None
+            self._auto[0].cap = n
+            return
         pool.start_session(self._session_blob, self._base_seed, added,
                            resume=[None] * self._capacity)
         self._num_workers = new
