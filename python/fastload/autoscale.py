@@ -10,9 +10,10 @@ epoch (a few tenths of a second and a few batches):
 * the loop waited for batches and the workers were busy making them: add
   workers, as many as the cores left over can run (a worker's share of CPU
   is measured, so workers that sleep on I/O are cheap and the count goes
-  past the core count, and CPU-bound ones stop at it). The cores the
-  training process itself uses while it is not waiting are never counted
-  as left over, so its step does not slow down;
+  past the core count, and CPU-bound ones stop at it). The CPU the
+  training process itself uses while it is not waiting is counted as
+  taken; the count is rounded to the nearest whole worker, so it may take
+  up to half a core more than is left over when that makes more batches;
 * the loop hardly waited and one worker fewer could make the batches the
   others made, for several windows in a row: retire one.
 
