@@ -59,7 +59,7 @@ from .iterator_resume import ResumeMixin
 from .launching import crossing
 from .launching.start_methods import default_context
 from .ledger import Record, Role
-from .loader_stats import EpochMeter, loader_label
+from .loader_stats import EpochMeter, loader_label, samples_in
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader
@@ -451,10 +451,7 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
     def _process_data(self, rec: Record) -> Any:
         self._workers_num_tasks[rec.worker] -= 1
         t0 = time.perf_counter_ns()
-        try:
-            self._delivered_samples = len(rec.index) if self._auto_collation else 1
-        except TypeError:  # a batch sampler's batch with no len()
-            self._delivered_samples = 1
+        self._delivered_samples = samples_in(rec.index, self._auto_collation)
         try:
             data = self._reader.take(rec)
             if self._reader.copied:

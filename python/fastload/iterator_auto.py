@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, _DatasetKind
 from . import _core
 from .autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
                         worker_cap)
-from .loader_state import LoaderState
+from .loader_state import LoaderState, forced_shm
 
 log = logging.getLogger("fastload")
 
@@ -47,7 +47,7 @@ class AutoCountMixin:
         self._num_workers = start
         if self._dataset_kind != _DatasetKind.Map:
             return start
-        force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
+        force_shm = forced_shm()
         memory = None
         if force_shm:  # the /dev/shm fallback reserves every slot's pages up front
             st = os.statvfs("/dev/shm")

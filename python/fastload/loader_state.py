@@ -173,7 +173,7 @@ class LoaderState:
                 "num_workers * (prefetch_factor + 1) + held_batches must be at most "
                 f"{_core.MAX_SLOTS}, got {num_slots}"
             )
-        force_shm = os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
+        force_shm = forced_shm()
         hide = not opts.allow_gpu_in_workers
         config = (ctx, capacity, num_slots, self.slot_bytes(force_shm), hide, force_shm)
         if not persistent and inherited is None:
@@ -241,6 +241,12 @@ class LoaderState:
             self.idle_pool = pool
         else:
             pool.shutdown()
+
+
+def forced_shm() -> bool:
+    """Whether rings go in a ``/dev/shm`` file rather than a memfd
+    (``FASTLOAD_SEGMENT=shm``, the fallback where memfd is missing)."""
+    return os.environ.get("FASTLOAD_SEGMENT", "") == "shm"
 
 
 def release_lease(lease: ServerLease, state: Optional["LoaderState"] = None) -> None:

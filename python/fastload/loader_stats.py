@@ -394,6 +394,17 @@ def _short(indices: Any, limit: int = 8) -> str:
     return f"[{text}{', ...' if len(items) > limit else ''}]"
 
 
+def samples_in(index: Any, auto_collation: bool) -> int:
+    """How many samples the batch drawn as ``index`` holds: the batch
+    sampler's list, or one sample without automatic batching."""
+    if not auto_collation:
+        return 1
+    try:
+        return len(index)
+    except TypeError:  # a batch sampler's batch with no len()
+        return 1
+
+
 def loader_label(loader: Any, auto: bool = False) -> str:
     """How logs and reports name a loader: its class, dataset class and workers."""
     dataset = getattr(loader, "dataset", None)

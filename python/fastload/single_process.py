@@ -14,7 +14,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import capture, resume
 from .device import DevicePrefetcher, StreamOps
-from .loader_stats import loader_label
+from .loader_stats import loader_label, samples_in
 from .loader_state import LoaderState
 
 __all__ = ["SingleProcessIter"]
@@ -87,10 +87,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
 
     def _next_index(self) -> Any:
         index = super()._next_index()
-        try:
-            self._samples = len(index) if self._auto_collation else 1
-        except TypeError:  # a batch sampler's batch with no len()
-            self._samples = 1
+        self._samples = samples_in(index, self._auto_collation)
         return index
 
     def __next__(self) -> Any:
