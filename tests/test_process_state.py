@@ -153,3 +153,65 @@ def test_a_filter_does_not_import_its_warning_class_s_package_in_workers(
         del loader
     assert imports.read_text().split() == [str(os.getpid())]  # this process's import only
     assert not [r for r in caplog.records if "unpickle the dataset themselves" in r.getMessage()]
+
+
+_DETERMINISTIC_SCRIPT = r"""
+import sys
+import torch
+from torch.utils.data import Dataset
+import fastload
+from fastload.process_state import set_deterministic
+
+
+class Snoop(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return [torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                "torch._inductor" in sys.modules]
+
+
+def state():
+    import torch._inductor.config as inductor_config
+    return (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), inductor_config.deterministic)
+
+
+torch.use_deterministic_algorithms(True, warn_only=True)
+for ctx in (None, "spawn"):
+    loader = fastload.FastLoader(Snoop(), batch_size=None, num_workers=1,
+                                 multiprocessing_context=ctx)
+    print("worker", ctx, [[bool(x) for x in b] for b in loader])
+    del loader
+
+# The private setter leaves the state the public function leaves.
+for mode, warn_only in [(True, False), (False, False), (True, True), (False, True)]:
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    public = state()
+    torch.use_deterministic_algorithms(not mode, warn_only=not warn_only)
+    set_deterministic(mode, warn_only)
+    print("same", mode, warn_only, state() == public, public)
+"""
+
+
+def test_deterministic_algorithms_reach_workers_without_importing_inductor(tmp_path) -> None:
+    """A script that asks for deterministic algorithms (Ultralytics does by
+    default) has them in its workers, as under DataLoader, without the import
+    of ``torch._inductor`` that ``torch.use_deterministic_algorithms`` makes
+    (1-1.5 s before every loader's first batch). The private setter fastload
+    uses for it must leave the state the public function leaves: this pins
+    it."""
+    import subprocess
+
+    script = tmp_path / "deterministic.py"
+    script.write_text(_DETERMINISTIC_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["worker None [[True, True, False], [True, True, False]]",
+                         "worker spawn [[True, True, False], [True, True, False]]"], out.stdout
+    same = [line for line in lines if line.startswith("same ")]
+    assert len(same) == 4 and all(" True (" in line for line in same), out.stdout

@@ -82,9 +82,8 @@ class ProcessState:
         for key, value in self.environ.items():
             if key not in ACCELERATOR_ENV and os.environ.get(key) != value:
                 os.environ[key] = value
-        # Each set only where it differs: use_deterministic_algorithms()
-        # loads ~70 MB of torch the first time it is called, even to say
-        # False, and every worker would carry it.
+        # Each set only where it differs (a setter may cost more than it
+        # looks; see set_deterministic).
         modes = self.torch_modes
         if torch.get_default_dtype() != modes["default_dtype"]:
             torch.set_default_dtype(modes["default_dtype"])
@@ -93,8 +92,7 @@ class ProcessState:
         if (torch.are_deterministic_algorithms_enabled() != modes["deterministic"]
                 or torch.is_deterministic_algorithms_warn_only_enabled()
                 != modes["deterministic_warn_only"]):
-            torch.use_deterministic_algorithms(modes["deterministic"],
-                                               warn_only=modes["deterministic_warn_only"])
+            set_deterministic(modes["deterministic"], modes["deterministic_warn_only"])
         if torch.get_float32_matmul_precision() != modes["float32_matmul_precision"]:
             torch.set_float32_matmul_precision(modes["float32_matmul_precision"])
 
@@ -110,6 +108,38 @@ class ProcessState:
         # it has shown, so the filters set next decide from the next warning.
         warnings.resetwarnings()
         warnings.filters[:] = filters
+
+
+def set_deterministic(mode: bool, warn_only: bool) -> None:
+    """What ``torch.use_deterministic_algorithms(mode, warn_only=warn_only)``
+    does, without importing ``torch._inductor`` where nothing has.
+
+    The public function sets two things: the flag every operator reads, and
+    the ``deterministic`` setting of inductor's config, read only when
+    ``torch.compile`` builds kernels. To set the second it imports
+    ``torch._inductor`` (dynamo and sympy with it): 1-1.5 s and ~70 MB on
+    first call, paid by the zygote that preloads a session or by each spawned
+    worker, and with it the first batch of every loader of a script that
+    asked for deterministic algorithms (Ultralytics does by default,
+    Lightning and Hugging Face on request). A worker that never compiles
+    never reads that config, so the flag is set directly, and the config
+    only where inductor is already loaded. A worker that imports inductor
+    later starts from its own default (``TORCHINDUCTOR_DETERMINISTIC``), not
+    the training process's setting.
+
+    ``torch._C._set_deterministic_algorithms`` is private; the public
+    function is the fallback where it is missing, and tests/test_process_state.py
+    pins that both leave the same state behind."""
+    import torch
+
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        return
+    setter(mode, warn_only=warn_only)
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.deterministic = mode  # type: ignore[attr-defined]
 
 
 def _apply(environ: Dict[str, str], torch_modes: Dict[str, Any],

@@ -258,6 +258,11 @@ def _import(msg: bytes) -> None:
         why = f"{cause} opened {', '.join(opened[:4])}"
     if why and not _import_taint:
         _import_taint = why
+    # The modules stay for good, as torch's do (see _prepare): frozen, so
+    # that no process forked from here scans (and copies) their pages when
+    # it collects.
+    gc.collect()
+    gc.freeze()
 
 
 def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
