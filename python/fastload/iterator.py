@@ -59,7 +59,7 @@ from .iterator_resume import ResumeMixin
 from .launching import crossing
 from .launching.start_methods import default_context
 from .ledger import Record, Role
-from .loader_stats import EpochMeter, loader_label, samples_in
+from .epoch_meter import EpochMeter, loader_label, samples_in
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader

@@ -29,7 +29,7 @@ from .device import CudaStreamOps, StreamOps, resolve_device
 from .launching.zygote_client import Zygote
 from .launching.lineage import ServerLease, fork_server, fork_server_pid, lease_fork_server
 from .launching.start_methods import ZYGOTE
-from .loader_stats import EpochMeter
+from .epoch_meter import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
 from .pool import WorkerPool
 
