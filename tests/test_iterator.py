@@ -16,7 +16,7 @@ dropped, a dead worker's error at every later call.
 from __future__ import annotations
 
 import gc
-from typing import Any, Iterator, List
+from typing import Iterator, List
 
 import pytest
 import torch
@@ -151,7 +151,9 @@ def test_persistent_workers_keep_their_session_and_their_epochs_follow_in_order(
 
 
 def test_a_dataset_error_is_raised_with_dataloader_s_message_and_the_epoch_goes_on() -> None:
-    loader = DrivenLoader(BadAt(12, bad=3), batch_size=2, num_workers=W)
+    sampler = CountingSampler(24)
+    loader = DrivenLoader(BadAt(24, bad=3), batch_size=2, sampler=sampler, num_workers=W,
+                          prefetch_factor=2)
     it = iter(loader)
     assert next(it).tolist() == [0, 1]
     with pytest.raises(ValueError) as e:
@@ -159,7 +161,8 @@ def test_a_dataset_error_is_raised_with_dataloader_s_message_and_the_epoch_goes_
     msg = str(e.value)
     assert msg.startswith("Caught ValueError in DataLoader worker process 1.")
     assert "Original Traceback" in msg and "index 3 is bad" in msg
-    assert _values(list(it)) == _pairs(12)[2:]
+    assert sampler.drawn == 2 * (W * 2 + 2)  # the failed batch's refill is drawn too
+    assert _values(list(it)) == _pairs(24)[2:]
     pool = loader.pools[-1]
     assert ring_slots(pool)["free"] == ring_slots(pool)["all"]
 
