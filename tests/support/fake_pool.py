@@ -166,7 +166,8 @@ class FakePool:
         return not self.shut_down and not self.dead
 
     def start_session(self, parcel: Any, base_seed: int, workers: Optional[List[int]] = None,
-                      resume: Optional[list] = None, preload_timeout: Optional[float] = None) -> list:
+                      resume: Optional[list] = None,
+                      preload_timeout: Optional[float] = None) -> list:
         if workers is None and self.retired:  # a zygote pool's new session: fresh workers
             self.workers = [FakeWorker(self.real_ring, w) for w in range(self.capacity)]
             self.retired = False
