@@ -74,9 +74,9 @@ class DrivenRing:
 
     def wait_any(self, slots: List[int], seqs: List[int],
                  timeout: float) -> Tuple[_core.WaitResult, int]:
-        moved = self._pool.run_workers()
+        progressed = self._pool.run_workers()
         status, which = self._ring.wait_any(slots, seqs, 0.0)
-        if status != _core.WaitResult.READY and not moved and not self._pool.dead:
+        if status != _core.WaitResult.READY and not progressed and not self._pool.dead:
             raise Stuck(f"the main side waits for slots {slots} (stamps {seqs}), which no "
                         f"fake worker will commit")
         return status, which
@@ -124,24 +124,24 @@ class FakePool:
         """Each live worker not stalled does every task in its queue, in
         worker order; returns whether any did one or sat this wait out (a
         later wait may then bring more)."""
-        moved = False
+        progressed = False
         if self.shut_down:
-            return moved
+            return progressed
         dead = {d[0] for d in self.dead}
         for w in range(self.num_workers):
             if w in dead:
                 continue
             if self.stalls.get(w, 0) > 0:
                 self.stalls[w] -= 1
-                moved = True
+                progressed = True
                 continue
             while True:
                 got = self.workers[w].next_task()
                 if got is None:
                     break
-                moved = True
+                progressed = True
                 self._do(w, *got)
-        return moved
+        return progressed
 
     def _do(self, w: int, slot: int, seq: int, task: Any) -> None:
         worker = self.workers[w]
