@@ -18,8 +18,9 @@ import pytest
 
 # The fault-injection harness checks epochs with plain asserts, as a test
 # module does: have pytest rewrite them the same way (it must know before
-# the module is imported).
-pytest.register_assert_rewrite("support.fault_harness")
+# the modules are imported).
+pytest.register_assert_rewrite("support.fault_harness", "support.fault_checks",
+                               "support.fault_injection")
 
 from support.processes import open_fds, shm_entries, wait_no_children  # noqa: E402
 

@@ -44,24 +44,25 @@ def test_first_epoch_times_every_loader():
 
 
 def test_extras_are_in_a_full_run_and_not_in_a_quick_one():
-    from fastload.bench.cli import EXTRAS, _settings
+    from fastload.bench.options import EXTRAS, settings
 
     gpu = h2d.cuda_present()
-    assert _settings([]).extras == [e for e in EXTRAS if e != "h2d" or gpu]
-    assert _settings(["--extras", "h2d"]).extras == ["h2d"]
-    assert _settings(["--quick"]).extras == []
-    assert _settings(["--dataset", "m:f"]).extras == []
-    assert _settings(["--quick", "--extras", "memory"]).extras == ["memory"]
+    assert settings([]).extras == [e for e in EXTRAS if e != "h2d" or gpu]
+    assert settings(["--extras", "h2d"]).extras == ["h2d"]
+    assert settings(["--quick"]).extras == []
+    assert settings(["--dataset", "m:f"]).extras == []
+    assert settings(["--quick", "--extras", "memory"]).extras == ["memory"]
     with pytest.raises(SystemExit):
-        _settings(["--extras", "speed"])
+        settings(["--extras", "speed"])
 
 
 def test_host_to_device_without_a_device_says_so_and_measures_nothing():
-    from fastload.bench.cli import _Bench, _extras, _settings
+    from fastload.bench.cli import _Bench, _extras
+    from fastload.bench.options import settings
 
     if h2d.cuda_present():
         pytest.skip("a device is present: tests/test_pinning.py runs the measure")
-    a = _settings(["--quick", "--extras", "h2d", "--workloads", "tiny"])
+    a = settings(["--quick", "--extras", "h2d", "--workloads", "tiny"])
     b = _Bench(a, io.StringIO())
     assert _extras(a, b) == {}
     assert b.skipped["h2d"] == "needs a CUDA or ROCm device"

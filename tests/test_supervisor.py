@@ -8,50 +8,15 @@ import logging
 import math
 import signal
 import types
-from typing import Any, List, Optional, Tuple
+from typing import Any, List
 
 import pytest
 
 from fastload import WorkerHangError, supervisor
-from fastload.ledger import Record, Role, SlotLedger
+from fastload.ledger import Record, Role
 from fastload.supervisor import Supervisor, WorkerLost
-from support.ring_driver import FakeWorker, new_ring
-
-
-class _Proc:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.killed = False
-
-    def kill(self) -> None:
-        self.killed = True
-
-
-class FakePool:
-    """What the supervisor asks of a pool, with deaths set by the test."""
-
-    def __init__(self, workers: int = 2) -> None:
-        self.ring = new_ring(8, workers)
-        self.ledger = SlotLedger(self.ring, lambda w, seq: None)
-        self.num_workers = self.capacity = workers
-        self.procs = [_Proc(1000 + w) for w in range(workers)]
-        self.deaths_watched = True
-        self.dead: List[Tuple[int, int, Optional[int]]] = []
-        self.replaced: List[int] = []
-
-    def dead_workers(self) -> List[Tuple[int, int, Optional[int]]]:
-        return list(self.dead)
-
-    def death_note(self, worker: int) -> str:
-        return ""
-
-    def worker_stack(self, worker: int, wait_s: float = 0.5) -> str:
-        return f'  File "ds.py", line 7, in __getitem__ (worker {worker})'
-
-    def replace_worker(self, w: int) -> None:
-        self.replaced.append(w)
-        self.dead = [d for d in self.dead if d[0] != w]
-        self.ring.reset_worker(w)
+from support.fake_pool import FakePool
+from support.ring_driver import FakeWorker
 
 
 class Clock:

@@ -12,6 +12,8 @@ rest belongs to its parts, each driven by it and returning what happened:
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
 * :class:`fastload.reader.SlotReader`: a done slot back into a batch;
 * :class:`fastload.loader_state.LoaderState` (the loader's): the pool, kept warm;
+* :class:`fastload.iterator_workers.WorkersMixin`: its session on the
+  workers, its waits for their results, its end (NOTE [ Shutdown ]);
 * :class:`fastload.iterator_resume.ResumeMixin`: its position, for
   ``state_dict()``, and getting back to one.
 
@@ -26,20 +28,10 @@ slot: the ring then commits ``num_workers * prefetch_factor + 1`` slots of
 memory, not one more (a slot keeps its pages once written). Its index is
 drawn when DataLoader draws it, so a sampler that raises does so with the
 same batch.
-
-NOTE [ Shutdown ]
-An iterator that ends normally (or is dropped mid-epoch) gives its pool back
-to the loader, warm; a zygote pool's workers, and batches still in flight,
-go then (:meth:`WorkerPool.retire`), a spawned pool's orphans are waited out
-by the next session. An iterator that fails (a dead or hung worker, a
-timeout) stops its workers for good and raises the same error at every
-later ``next()``. Persistent workers end with the iterator. Slots still
-leased by the loop stay mapped until their last view dies.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -47,7 +39,7 @@ import time
 import weakref
 from typing import Any, List, Optional
 
-from torch.utils.data import DataLoader, _DatasetKind
+from torch.utils.data import DataLoader
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
@@ -56,14 +48,14 @@ from .debug_views import IteratorView, RingView
 from .device import DevicePrefetcher
 from .iterator_auto import AutoCountMixin
 from .iterator_resume import ResumeMixin
+from .iterator_workers import WorkersMixin
 from .launching import crossing
 from .launching.start_methods import default_context
 from .ledger import Record, Role
-from .loader_stats import EpochMeter, loader_label, samples_in
+from .epoch_meter import EpochMeter, loader_label, samples_in
 from .pool import WorkerPool
 from .process_state import ProcessState
 from .reader import SlotReader
-from .supervisor import Supervisor, WorkerLost, restart_session
 from .loader_state import LoaderState
 from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
@@ -72,7 +64,7 @@ log = logging.getLogger("fastload")
 _NO_INDEX = object()  # _try_put_index: draw the next index from the sampler
 
 
-class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
+class FastLoaderIter(WorkersMixin, ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
     """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
 
     def __init__(self, loader: DataLoader, state: LoaderState, *, stream_ops: Any = None,
@@ -155,39 +147,8 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
         pinner = self._pinner = pool.pinner if self._pin_memory else None
         self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
                                   opts.held_batches, pinner)
-        restartable = self._dataset_kind == _DatasetKind.Map
-        # The pickled session is as big as the dataset: kept for the iterator's
-        # life only where a replacement worker may need it.
-        kept = (blob if restartable and (opts.max_worker_restarts > 0 or self._auto is not None)
-                else None)
-        self._session_blob = kept  # a worker added by num_workers="auto" gets it too
-        self._supervisor = Supervisor(
-            pool, self._ledger, hang_timeout=opts.hang_timeout,
-            max_restarts=opts.max_worker_restarts, restartable=restartable,
-            start_session=functools.partial(restart_session, pool, kept, self._base_seed,
-                                            self._book, self._reader),
-            on_restart=state.meter.restarted)
+        self._supervise(pool, blob, state)
         return blob
-
-    def _start_session(self, state: LoaderState, saved: Optional[dict],
-                       blob: Optional[crossing.Parcel]) -> None:
-        """Wait out a spawned pool's orphans, then start session ``blob`` on
-        the workers, put back to ``saved``'s states."""
-        assert self._pool is not None
-        workers = None
-        if saved is not None:
-            mid_epoch = saved["position"] is not None
-            workers = [resume.worker_resume(ws, mid_epoch) for ws in saved["workers"]]
-            # num_workers="auto" may have room for more or fewer workers here
-            workers = (workers + [None] * self._capacity)[: self._capacity]
-            this_epoch = [mid_epoch and bool(ws and ws["this_epoch"]) for ws in saved["workers"]]
-            self._book.resumed([w and w[0] for w in workers],
-                               (this_epoch + [False] * self._capacity)[: self._capacity])
-        self._ledger.drain(self._wait_one)
-        self._trim_slots(state)
-        self._ledger.make_free(self._num_workers)
-        self._pool.start_session(blob, self._base_seed, resume=workers,
-                                 preload_timeout=state.options.hang_timeout)
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
@@ -215,13 +176,7 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
         if self._fatal is not None:  # a persistent pool that lost a worker stays failed
             raise RuntimeError(self._fatal)
         if not first_iter:
-            # A persistent pool's next epoch: DataLoader waits for every
-            # worker to acknowledge _ResumeIteration; we wait out the
-            # previous epoch's batches, then tag tasks with the new epoch.
-            self._release_unclaimed()
-            self._ledger.drain(self._wait_one)
-            self._trim_slots(self._state_ref())
-            self._epoch += 1
+            self._next_session_epoch()
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
@@ -251,13 +206,6 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
         if not first_iter:
             self._meter.started()
         self._start_windows()
-
-    def _trim_slots(self, state: Optional[LoaderState]) -> None:
-        """An epoch starts: free slots give back the pages an outlier batch
-        made them keep (see SlotLedger.trim_free)."""
-        keep = state.slot_keep() if state is not None else None
-        if keep is not None:
-            self._ledger.trim_free(keep)
 
     def _release_unclaimed(self) -> None:
         """Free the slots of results nobody will take (their batches were skipped)."""
@@ -314,50 +262,6 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
         while self._owed and self._tasks_outstanding < limit:
             self._try_put_index(self._owed.pop(0))
 
-    # ---- receiving ---------------------------------------------------------
-    def _wait_one(self, deadline: Optional[float] = None,
-                  needed: Optional[Record] = None) -> Optional[Record]:
-        """One round of waiting: a completed record, or None with the workers
-        checked, after a worker died or the watchdog's interval passed
-        (NOTE [ Supervision ])."""
-        if self._supervisor.deaths_deferred:
-            self._check(needed)
-        wait = self._supervisor.check_every
-        if deadline is not None:
-            wait = min(wait, max(0.0, deadline - time.monotonic()))
-        rec = self._ledger.wait(wait)
-        if rec is not None:
-            if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == Kind.DATA:
-                self._meter.made(rec.worker, rec.make_ns, rec.idx, rec.index)
-            return rec
-        self._check(needed)
-        if deadline is not None and time.monotonic() >= deadline:
-            self._fail(f"DataLoader timed out after {self._timeout} seconds")
-        return None
-
-    def _check(self, needed: Optional[Record]) -> None:
-        """The supervisor's look at the workers; a lost worker ends the iterator."""
-        try:
-            self._supervisor.check(needed)
-        except WorkerLost as lost:
-            self._fatal = str(lost.error)
-            self._shutdown_workers(wait=False)  # no grace: a stuck worker would not see a stop
-            raise lost.error from None
-
-    def _receive_one(self, deadline: Optional[float], needed: Optional[Record]) -> Record:
-        """Block until some batch of this iterator has a result (``needed``:
-        the batch due next, see Supervisor.check)."""
-        while True:
-            rec = self._wait_one(deadline, needed)
-            if rec is not None and rec.role is Role.BATCH:
-                return rec
-
-    def _fail(self, msg: str) -> None:
-        """A timeout ends the epoch: kill the workers (one that kept the loop
-        waiting would not see a stop soon) and raise now and at every later next()."""
-        self._fatal = msg
-        self._shutdown_workers(wait=False)
-        raise RuntimeError(msg)
 
     def __next__(self) -> Any:
         # The loop's wait for a batch, for stats(): the whole next() call.
@@ -493,44 +397,4 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
             held_batches=self._held_batches, restarts_left=self._supervisor.restarts_left,
             base_seed=self._base_seed)
 
-    # ---- shutdown (NOTE [ Shutdown ]) --------------------------------------
-    def _hand_back_pool(self) -> None:
-        """End of this iterator: give a healthy pool back to the loader, warm."""
-        if self._shutdown:
-            return
-        self._shutdown = True
-        pool = self._pool
-        if pool is None:
-            return
-        state = self._state_ref()
-        if state is None or self._persistent_workers or not pool.alive:
-            self._pool = None
-            pool.shutdown()
-            return
-        self._release_unclaimed()
-        self._pool = None
-        self._ledger.orphan_batches()
-        state.keep_idle_pool(pool)
-
-    def _shutdown_workers(self, wait: bool = True) -> None:
-        """Stop the workers for good (an error, a persistent iterator's end)."""
-        if self._shutdown:
-            return
-        self._shutdown = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait)
-
-    def __del__(self) -> None:
-        if getattr(self, "_owner_pid", None) != os.getpid():
-            # A forked child collecting its inherited copy: the pool, its
-            # slots and workers are the parent's (teardown.stop_pool closes our fds).
-            return
-        try:
-            if getattr(self, "_persistent_workers", True):
-                self._shutdown_workers()
-            else:
-                self._hand_back_pool()
-        except Exception:  # pragma: no cover - interpreter teardown
-            pass
 

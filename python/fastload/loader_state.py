@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import statistics
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from .device import CudaStreamOps, StreamOps, resolve_device
 from .launching.zygote_client import Zygote
 from .launching.lineage import ServerLease, fork_server, fork_server_pid, lease_fork_server
 from .launching.start_methods import ZYGOTE
-from .loader_stats import EpochMeter
+from .epoch_meter import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
 from .pool import WorkerPool
 
@@ -87,10 +87,15 @@ class LoaderState:
     any DataLoader can run on fastload without new attributes of its own.
     Copies and pickles of a loader carry the options only: worker processes
     are not copied.
+
+    ``make_pool`` makes a new pool from :class:`fastload.pool.WorkerPool`'s
+    arguments (tests pass one whose workers they play themselves).
     """
 
-    def __init__(self, options: LoaderOptions) -> None:
+    def __init__(self, options: LoaderOptions,
+                 make_pool: Callable[..., WorkerPool] = WorkerPool) -> None:
         self.options = options
+        self._make_pool = make_pool
         self.learned_batch_bytes = 0
         self.recent_batch_bytes: Deque[int] = collections.deque(maxlen=64)
         self.idle_pool: Optional[WorkerPool] = None
@@ -184,9 +189,9 @@ class LoaderState:
         if zygote is not None and (ctx != ZYGOTE or zygote.hide_accelerators != hide):
             zygote.stop()
             zygote = None
-        return WorkerPool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
-                          slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
-                          zygote=zygote, inherited=inherited, capacity=capacity)
+        return self._make_pool(ctx=ctx, num_workers=num_workers, num_slots=num_slots,
+                               slot_bytes=config[3], hide_accelerators=hide, force_shm=force_shm,
+                               zygote=zygote, inherited=inherited, capacity=capacity)
 
     def prepare_zygote(self, modules: List[str]) -> Optional[Zygote]:
         """Fork the first pool's zygote from the fork server now, without

@@ -14,7 +14,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import capture, resume
 from .device import DevicePrefetcher, StreamOps
-from .loader_stats import loader_label, samples_in
+from .epoch_meter import loader_label, samples_in
 from .loader_state import LoaderState
 
 __all__ = ["SingleProcessIter"]

@@ -1,5 +1,5 @@
 """Stopping a worker pool: what :meth:`fastload.pool.WorkerPool.shutdown`
-and the pool's finalizer run (NOTE [ Shutdown ] in iterator.py).
+and the pool's finalizer run (NOTE [ Shutdown ] in iterator_workers.py).
 
 The ring's shutdown flag first (every worker sees it at its next look at
 the ring and exits), then SIGTERM for a worker that does not stop within

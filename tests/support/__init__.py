@@ -12,9 +12,18 @@
   this test process (what the leak check in ``conftest.py`` compares).
 * :mod:`support.outcomes` -- iterating a loader like a training loop that
   survives errors, and reading the errors it got.
-* :mod:`support.fault_scenarios`, :mod:`support.fault_harness` -- the
+* :mod:`support.fault_scenarios`, :mod:`support.fault_injection`,
+  :mod:`support.fault_checks`, :mod:`support.fault_harness` -- the
   fault-injection suite of ``test_faults.py``: its seeded scenarios and
-  report, and running and checking them against DataLoader.
+  report, injecting each epoch's fault into the workers, checking an epoch
+  against DataLoader, and running the scenarios.
+* :mod:`support.ring_driver` -- a ring's worker side played in the test's
+  own process (take a task, commit a batch or an error).
+* :mod:`support.fake_pool` -- a worker pool whose workers are played in the
+  test's own process, for the iterator and the supervisor with no worker
+  process; ``DrivenLoader``, a DataLoader iterated by fastload over it.
+* :mod:`support.fake_zygotes` -- fork servers and zygotes that record what
+  they are asked, for ``fastload.launching.lineage``.
 
 Datasets are pickled to worker processes by reference, so they must be
 importable: pytest puts ``tests/`` on ``sys.path`` (``tests/conftest.py``,

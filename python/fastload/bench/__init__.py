@@ -21,7 +21,9 @@ side-by-side rates), :mod:`.measure` (references, the machine),
 :mod:`.child` (the code of one run, in its process),
 :mod:`.checks` (the per-batch fingerprint), :mod:`.evaluate` (medians,
 targets and correctness of a workload's runs),
-:mod:`.report` (targets, table, plot), :mod:`.cli` (options, order of runs).
+:mod:`.report` (targets, table, plot), :mod:`.options` (the command
+line: options, defaults, the workloads chosen), :mod:`.cli` (the order of
+the runs).
 Nothing heavy is imported here: spawned workers import this package to
 unpickle the built-in datasets.
 """

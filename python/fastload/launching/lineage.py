@@ -20,7 +20,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..wire import hidden_env
 from . import crossing
@@ -31,7 +31,13 @@ from .zygote_protocol import DECLINED, PRELOADED
 log = logging.getLogger("fastload")
 
 
-class _ForkServers:
+def _start_server(hide_accelerators: bool) -> Zygote:
+    """A new fork server: a fresh interpreter that imports torch, its
+    environment hiding the accelerators or not."""
+    return Zygote(hide_accelerators, env=hidden_env(hide_accelerators))
+
+
+class ForkServers:
     """The fork servers of this process, one per accelerator setting, and
     the leases that keep them running.
 
@@ -43,9 +49,12 @@ class _ForkServers:
     stops with the next release or at exit. The server's environment hides
     the accelerators or not, as the pools forked from it need; their
     sessions set the rest of the training process's environment.
+
+    ``start_server(hide_accelerators)`` starts one (tests pass a fake).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start_server: Callable[[bool], Zygote] = _start_server) -> None:
+        self._start_server = start_server
         self._lock = threading.Lock()
         self._servers: Dict[bool, Zygote] = {}
         self._leases: Dict[bool, int] = {}
@@ -67,9 +76,18 @@ class _ForkServers:
                 if server is not None:
                     log.warning("fastload: the fork server is gone; starting a new one")
                     server.stop()
-                server = self._servers[hide_accelerators] = Zygote(
-                    hide_accelerators, env=hidden_env(hide_accelerators))
+                server = self._servers[hide_accelerators] = self._start_server(hide_accelerators)
             return server
+
+    def start_zygote(self, hide_accelerators: bool) -> Zygote:
+        """A zygote for one pool, forked from the fork server (see
+        zygote_client.Zygote.fork_zygote): milliseconds once the server is
+        ready. If the server cannot fork it (it died just now), a new server
+        is started and asked once more."""
+        try:
+            return self.server(hide_accelerators).fork_zygote()
+        except RuntimeError:
+            return self.server(hide_accelerators).fork_zygote()
 
     def lease(self, hide_accelerators: bool) -> "ServerLease":
         lease = ServerLease(self, hide_accelerators)
@@ -109,7 +127,7 @@ class _ForkServers:
 class ServerLease:
     """Keeps a fork server running until :meth:`release` (idempotent)."""
 
-    def __init__(self, servers: _ForkServers, hide_accelerators: bool) -> None:
+    def __init__(self, servers: ForkServers, hide_accelerators: bool) -> None:
         self._servers = servers
         self._hide = hide_accelerators
         self._pid = os.getpid()
@@ -127,7 +145,7 @@ class ServerLease:
 
 # The process's fork servers: shared by every loader, by design (one
 # interpreter importing torch per training process, docs/design.md).
-_FORK_SERVERS = _ForkServers()
+_FORK_SERVERS = ForkServers()
 atexit.register(_FORK_SERVERS.stop_all)
 
 
@@ -148,17 +166,6 @@ def fork_server_pid(hide_accelerators: bool) -> Optional[int]:
     return _FORK_SERVERS.running_pid(hide_accelerators)
 
 
-def start_zygote(hide_accelerators: bool) -> Zygote:
-    """A zygote for one pool, forked from the fork server (see
-    zygote_client.Zygote.fork_zygote): milliseconds once the server is
-    ready. If the server cannot fork it (it died just now), a new server is
-    started and asked once more."""
-    try:
-        return fork_server(hide_accelerators).fork_zygote()
-    except RuntimeError:
-        return fork_server(hide_accelerators).fork_zygote()
-
-
 class Lineage:
     """The zygotes one pool forks its workers from, and what they hold.
 
@@ -166,23 +173,27 @@ class Lineage:
     zygote holds session :attr:`preloaded` (or none, if it could not), and
     :meth:`fork` records per worker the session it was forked with:
     :meth:`inherits` tells whether a worker already has the current one.
+
+    ``zygote``: one forked ahead for the pool (a loader's spare); ``servers``:
+    the fork servers its zygotes come from (the process's own by default).
     """
 
     def __init__(self, num_workers: int, hide_accelerators: bool,
-                 zygote: Optional[Zygote] = None) -> None:
+                 zygote: Optional[Zygote] = None, *,
+                 servers: Optional[ForkServers] = None) -> None:
         self._hide = hide_accelerators
+        self._servers = servers if servers is not None else _FORK_SERVERS
         # The pool keeps the fork server running while it may need a zygote
         # from it (released by the pool's teardown, fastload.teardown).
-        self.lease = lease_fork_server(hide_accelerators)
+        self.lease = self._servers.lease(hide_accelerators)
         # Every zygote started for the pool, oldest first; the last is current.
         self.zygotes: List[Zygote] = [zygote if zygote is not None
-                                      else start_zygote(hide_accelerators)]
+                                      else self._servers.start_zygote(hide_accelerators)]
         self._numbers = itertools.count(1)
         self.preloaded: Optional[int] = None  # the session the current zygote holds
         self._holder: Optional[Zygote] = None  # the zygote holding it
         self._forked_with: List[Optional[int]] = [None] * num_workers
         self._ok = True  # False once a session of this pool could not be preloaded
-
 
     @property
     def current(self) -> Zygote:
@@ -194,7 +205,7 @@ class Lineage:
         if self.current.gone():
             log.warning("fastload: the zygote the workers are forked from is gone; "
                         "starting a new one")
-            self.zygotes.append(start_zygote(self._hide))
+            self.zygotes.append(self._servers.start_zygote(self._hide))
         return self.current
 
     def fork(self, worker: int, target: str, parcel: crossing.Parcel) -> Child:
@@ -244,4 +255,4 @@ class Lineage:
                        "(not shared through the zygote): %s", why)
         if outcome != DECLINED:
             zygote.stop()
-            self.zygotes.append(start_zygote(self._hide))
+            self.zygotes.append(self._servers.start_zygote(self._hide))
