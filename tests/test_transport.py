@@ -14,9 +14,9 @@ from typing import Any, List, Optional, Tuple
 import pytest
 import torch
 
-from fastload.capture import split_trailer, trailer
-from fastload.reader import read_batch
-from fastload.serialize import SlotWriter
+from fastload.transport.format import split_trailer, trailer
+from fastload.transport.reader import read_batch
+from fastload.transport.writer import SlotWriter
 
 SLOT = 1 << 16
 Pair = collections.namedtuple("Pair", "x y")

@@ -10,7 +10,7 @@ rest belongs to its parts, each driven by it and returning what happened:
 
 * :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
-* :class:`fastload.reader.SlotReader`: a done slot back into a batch;
+* :class:`fastload.transport.reader.SlotReader`: a done slot back into a batch;
 * :class:`fastload.loader_state.LoaderState` (the loader's): the pool, kept warm;
 * :class:`fastload.iterator_resume.ResumeMixin`: its position, for
   ``state_dict()``, and getting back to one.
@@ -62,9 +62,9 @@ from .ledger import Record, Role
 from .loader_stats import EpochMeter, loader_label, samples_in
 from .pool import WorkerPool
 from .process_state import ProcessState
-from .reader import SlotReader
 from .supervisor import Supervisor, WorkerLost, restart_session
 from .loader_state import LoaderState
+from .transport.reader import SlotReader
 from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
 log = logging.getLogger("fastload")

@@ -29,7 +29,7 @@ Three channels connect them (see docs/design.md, "The ring"):
   would pickle a reference to this module's class: more bytes, slower).
 
 * **Results**, committed by the worker with a :class:`Kind` and the batch's
-  layout in the slot (see :mod:`fastload.batch_format`): ``Kind.DATA`` (a batch,
+  layout in the slot (see :mod:`fastload.transport.format`): ``Kind.DATA`` (a batch,
   ``FLAG_OVERFLOW`` set when part of it lies in an overflow segment whose fd
   follows on the socket, tagged with ``OVERFLOW_MSG``), ``Kind.ERROR`` (a
   pickled ``ExceptionWrapper``), ``Kind.EXHAUSTED`` (an IterableDataset

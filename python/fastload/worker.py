@@ -38,9 +38,9 @@ from ._core import WaitResult
 from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
-from .capture import trailer as resume_trailer
 from .launching import crossing, zygote
-from .serialize import SlotWriter
+from .transport.format import trailer as resume_trailer
+from .transport.writer import SlotWriter
 from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
                    decode_task, recv_session_fds, send_overflow)
 
@@ -179,7 +179,7 @@ class _Session:
         return fetcher
 
     def capture(self) -> bytes:
-        """The resume trailer of the batch just made (see fastload.capture)."""
+        """The resume trailer of the batch just made (see fastload.transport.format)."""
         it = getattr(self.fetcher, "dataset_iter", None)
         if isinstance(it, CountingIter):
             return resume_trailer(self.capturer.capture(it.count, self.dataset))

@@ -1,7 +1,7 @@
-"""Main side of the batch wire format: a done slot back into a batch.
+"""Main side of the slot format: a done slot back into a batch.
 
-:class:`SlotReader` is the reading half of :class:`fastload.serialize.SlotWriter`
-(the layout is :mod:`fastload.batch_format`): it turns a slot a worker committed into the
+:class:`SlotReader` is the reading half of :class:`fastload.transport.writer.SlotWriter`
+(the layout is :mod:`fastload.transport.format`): it turns a slot a worker committed into the
 batch, or raises the error the worker sent. Its rule for memory is the point
 of fastload: the batch's tensors *view* the slot (a lease; the slot goes back
 to the workers when the last view dies), unless the training loop already
@@ -21,13 +21,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .batch_format import DTYPES, META_WITH_TABLES
-from .capture import split_trailer
-from .errors import add_note, as_list, short_list
-from . import _core
-from .ledger import Record, SlotLedger
-from .pinning import PinnedRing
-from .wire import FLAG_OVERFLOW, Kind
+from .. import _core
+from ..errors import add_note, as_list, short_list
+from ..ledger import Record, SlotLedger
+from ..pinning import PinnedRing
+from ..wire import FLAG_OVERFLOW, Kind
+from .format import DTYPES, META_WITH_TABLES, split_trailer
 
 
 class SlotReader:

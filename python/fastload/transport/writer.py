@@ -1,10 +1,10 @@
-"""Worker side of the batch wire format: a batch written into its slot.
+"""Worker side of the slot format: a batch written into its slot.
 
-:class:`SlotWriter` writes a batch in the format :mod:`fastload.batch_format`
+:class:`SlotWriter` writes a batch in the format :mod:`fastload.transport.format`
 describes: the default collate stacks tensors straight into the slot
 (:meth:`SlotWriter.alloc_tensor`), and pickling the batch describes them where
 they lie and copies anything else into the slot's arena, or into an overflow
-memfd when the slot is full. Its reading side is :mod:`fastload.reader`.
+memfd when the slot is full. Its reading side is :mod:`fastload.transport.reader`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._pickling import is_script_name
-from .batch_format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
+from .._pickling import is_script_name
+from .format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
 __all__ = ["SlotWriter"]
 
@@ -310,7 +310,7 @@ class SlotWriter:
         """Serialise ``obj``; returns (data_len, meta_offset, meta_len, overflow_fd, overflow_len).
 
         ``trailer`` is appended to the meta, and counted in meta_len (the
-        worker's resume capture, see :mod:`fastload.capture`). With an
+        worker's resume capture, :func:`fastload.transport.format.trailer`). With an
         overflow fd, data_len/meta_* describe the overflow segment for the
         meta (which then lies there) and the slot keeps its part.
         """
