@@ -16,7 +16,6 @@ import faulthandler
 import functools
 import multiprocessing.util
 import os
-import pickle
 import random
 import select
 import signal
@@ -33,7 +32,7 @@ from torch.utils.data._utils import HAS_NUMPY, collate, signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.fetch import _BaseDatasetFetcher
 
-from . import _core, _pickling
+from . import _core
 from ._core import WaitResult
 from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
@@ -402,17 +401,5 @@ class _TaskLoop:
         self._ring.commit(slot, kind, data_len, meta_off, meta_len, time.perf_counter_ns() - t0)
 
     def _commit_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> None:
-        """Commit ``wrapper`` as the slot's result, cut short where it would not fit."""
-        try:
-            meta = _pickling.dumps_by_value(wrapper, "error")
-        except Exception:
-            plain = RuntimeError(wrapper.msg)
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
-        slot_bytes = self._slot_bytes
-        if len(meta) + len(trailer) > slot_bytes:
-            short = RuntimeError(wrapper.msg[:4096])
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
-        meta += trailer
-        start = slot * slot_bytes
-        self._mv[start : start + len(meta)] = meta
-        self._ring.commit(slot, Kind.ERROR, 0, 0, len(meta))
+        """Commit ``wrapper`` as the slot's result."""
+        self._ring.commit(slot, Kind.ERROR, 0, 0, self.writer.write_error(slot, wrapper, trailer))

@@ -24,7 +24,8 @@ file imports none of them. Where each runs: *worker*, *main* or both.
 
 1. ``format`` (both): how a result lies in its slot, the trailer, and what
    writer and reader must agree on (alignment, dtype codes, the meta's tag).
-2. ``writer`` (worker): :class:`~fastload.transport.writer.SlotWriter`.
+2. ``writer`` (worker): :class:`~fastload.transport.writer.SlotWriter`, a
+   batch or an error written into a slot.
 3. ``reader`` (main): :class:`~fastload.transport.reader.SlotReader` and
    :func:`~fastload.transport.reader.read_batch`.
 """

@@ -16,8 +16,9 @@ import pickle
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import ExceptionWrapper
 
-from .._pickling import is_script_name
+from .._pickling import dumps_by_value, is_script_name
 from .format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
 __all__ = ["SlotWriter"]
@@ -342,6 +343,27 @@ class SlotWriter:
             return data_len, meta_off, len(meta), fd, total
         finally:
             self.abort()
+
+
+    def write_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> int:
+        """Write ``wrapper`` (what making a batch raised, with the worker's
+        traceback), then ``trailer``, from the start of ``slot``, as a
+        ``Kind.ERROR`` result lies (:mod:`fastload.transport.format`);
+        returns the length to commit. An exception that cannot be pickled
+        travels as a RuntimeError with its message, and one that does not
+        fit the slot with the message's first 4096 characters."""
+        try:
+            meta = dumps_by_value(wrapper, "error")
+        except Exception:
+            plain = RuntimeError(wrapper.msg)
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
+        if len(meta) + len(trailer) > self.slot_bytes:
+            short = RuntimeError(wrapper.msg[:4096])
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
+        meta += trailer
+        start = slot * self.slot_bytes
+        self._mv[start : start + len(meta)] = meta
+        return len(meta)
 
 
 def _write_overflow(total: int, pending: List[Tuple[int, Any]], meta_off: int, meta: bytes) -> int:
