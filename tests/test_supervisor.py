@@ -15,6 +15,7 @@ import pytest
 from fastload import WorkerHangError, supervisor
 from fastload.ledger import Record, Role, SlotLedger
 from fastload.supervisor import Supervisor, WorkerLost
+from fastload.transport.overflow import OverflowSegments
 from support.ring_driver import FakeWorker, new_ring
 
 
@@ -32,7 +33,7 @@ class FakePool:
 
     def __init__(self, workers: int = 2) -> None:
         self.ring = new_ring(8, workers)
-        self.ledger = SlotLedger(self.ring, lambda w, seq: None)
+        self.ledger = SlotLedger(self.ring, OverflowSegments([]))
         self.num_workers = self.capacity = workers
         self.procs = [_Proc(1000 + w) for w in range(workers)]
         self.deaths_watched = True

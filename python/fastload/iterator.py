@@ -153,7 +153,7 @@ class FastLoaderIter(ResumeMixin, AutoCountMixin, _BaseDataLoaderIter):
             if runtime is not None:
                 pool.pin(runtime)
         pinner = self._pinner = pool.pinner if self._pin_memory else None
-        self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
+        self._reader = SlotReader(self._ring, self._ledger, pool.overflow,
                                   opts.held_batches, pinner)
         restartable = self._dataset_kind == _DatasetKind.Map
         # The pickled session is as big as the dataset: kept for the iterator's

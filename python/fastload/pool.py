@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import _core
 from ._ring import FdHandle, RingHandle
@@ -35,7 +35,8 @@ from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
 from .pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
-from .wire import encode_session, hidden_env, recv_overflow, send_session
+from .transport.overflow import OverflowSegments
+from .wire import encode_session, hidden_env, send_session
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")
@@ -86,11 +87,9 @@ class WorkerPool:
         self.procs: List[multiprocessing.process.BaseProcess] = []
         self._socks: List[socket.socket] = []
         self._stack_fds: List[int] = []  # one memfd per worker for its stack dump
-        self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
-        # Through a weak reference: a ledger holding its pool would keep the
-        # pool (and its workers) alive until a garbage collection.
-        close = weakref.WeakMethod(self._close_overflow)
-        self.ledger = SlotLedger(self.ring, lambda w, seq: _call_if_alive(close, w, seq))
+        # The overflow segments the workers send on their channels (_socks).
+        self.overflow = OverflowSegments(self._socks)
+        self.ledger = SlotLedger(self.ring, self.overflow)
         # Set when batches are pinned in place; leases handed out keep it
         # alive past the pool.
         self._pinner: Optional[PinnedRing] = None
@@ -111,7 +110,7 @@ class WorkerPool:
         elif zygote is not None:
             zygote.stop()
         self._finalizer = weakref.finalize(
-            self, stop_pool, self.ring, self.procs, self._socks, self._overflow_fds, self._stack_fds,
+            self, stop_pool, self.ring, self.procs, self._socks, self.overflow, self._stack_fds,
             self.lineage.zygotes if self.lineage is not None else [], os.getpid(),
             leases=[self.lineage.lease] if self.lineage is not None else [])
         self._ctx = ctx
@@ -216,26 +215,9 @@ class WorkerPool:
         old.join(5.0)
         if isinstance(old, Child):
             old.close()
-        self._collect_overflow(w)
+        self.overflow.collect(w)
         self.ring.reset_worker(w)
         self._start_worker(w)
-
-    def _collect_overflow(self, w: int) -> None:
-        """Keep the overflow fds worker ``w`` sent and nobody read yet (its
-        channel is about to be replaced)."""
-        sock = self._socks[w]
-        sock.setblocking(False)
-        try:
-            while True:
-                seq, fd = recv_overflow(sock)
-                if fd is None:
-                    break
-                self._overflow_fds[seq] = fd  # type: ignore[index]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except ConnectionResetError:
-            # It died with our session message unread: nothing of its to keep.
-            pass
 
     def _retire_workers(self) -> List[multiprocessing.process.BaseProcess]:
         """Retire every worker (a new session gets fresh ones); returns the
@@ -249,7 +231,7 @@ class WorkerPool:
                 # runs in it yet.
                 p.kill()
                 p.join(5.0)
-            self._collect_overflow(w)
+            self.overflow.collect(w)
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
         return old
 
@@ -325,7 +307,7 @@ class WorkerPool:
             w = len(self.procs) - 1
             p = self.procs[w]
             self.ring.unwatch_worker(w)  # it exits on purpose
-            self._collect_overflow(w)
+            self.overflow.collect(w)
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
             _wait_retired(p, 2.0)
             self._forget_workers_past(w)
@@ -451,30 +433,6 @@ class WorkerPool:
                 out.append((i, p.pid, code))  # type: ignore[arg-type]
         return out
 
-    def recv_overflow(self, worker: int, seq: int) -> int:
-        """The overflow segment fd a worker sent for batch ``seq``."""
-        fd = self._overflow_fds.pop(seq, None)
-        sock = self._socks[worker]
-        while fd is None:
-            got, got_fd = recv_overflow(sock)
-            if got_fd is None:
-                raise RuntimeError(f"fastload: worker {worker} closed its channel before sending "
-                                   f"the overflow data of batch {seq}")
-            if got == seq:
-                fd = got_fd
-            else:
-                self._overflow_fds[got] = got_fd  # type: ignore[index]
-        return fd
-
-    def _close_overflow(self, worker: int, seq: int) -> None:
-        os.close(self.recv_overflow(worker, seq))
-
-    def drop_overflow(self, seq: int) -> None:
-        """Forget an overflow fd of a batch nobody will read."""
-        fd = self._overflow_fds.pop(seq, None)
-        if fd is not None:
-            os.close(fd)
-
     def shutdown(self, wait: bool = True) -> None:
         """Stop every worker (idempotent). ``wait=False``: kill them at once,
         without the grace period in which they would see the stop between
@@ -500,8 +458,3 @@ def _wait_retired(p: Any, timeout: float) -> None:
     if isinstance(p, Child):
         p.close()
 
-
-def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
-    fn = method()
-    if fn is not None:
-        fn(*args)

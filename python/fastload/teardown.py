@@ -4,8 +4,8 @@ and the pool's finalizer run (NOTE [ Shutdown ] in iterator.py).
 The ring's shutdown flag first (every worker sees it at its next look at
 the ring and exits), then SIGTERM for a worker that does not stop within
 the grace period, then SIGKILL; the zygotes after their workers; last, this
-process's ends of the channels, stack memfds, overflow fds and the ring's
-fd. Idempotent and safe at interpreter exit: it never raises.
+process's ends of the channels, stack memfds, overflow segments and the
+ring's fd. Idempotent and safe at interpreter exit: it never raises.
 """
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ import multiprocessing
 import os
 import socket
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, List, Sequence
 
 from . import _core
 from .deaths import exited_unseen
 from .launching.child import Child
 from .launching.zygote_client import Zygote
+from .transport.overflow import OverflowSegments
 
 log = logging.getLogger("fastload")
 
 
 def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
-          socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
+          socks: List[socket.socket], overflow: OverflowSegments, stack_fds: List[int],
           zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0,
           leases: Sequence[Any] = ()) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit.
@@ -35,7 +36,7 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
     may collect it) only this process's copies of the fds are closed: the
     ring, the workers and the zygote are the owner's."""
     if os.getpid() != owner_pid:
-        close_fds(socks, overflow_fds, stack_fds, ring)
+        close_fds(socks, overflow, stack_fds, ring)
         return
     try:
         ring.shutdown()
@@ -84,17 +85,17 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
     for p in procs:
         if isinstance(p, Child):
             p.close()  # its pidfd and death-note pipe; its exit code stays readable
-    close_fds(socks, overflow_fds, stack_fds, ring)
+    close_fds(socks, overflow, stack_fds, ring)
 
 
-def close_fds(socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-               ring: "_core.Ring") -> None:
-    for fd in [*overflow_fds.values(), *stack_fds]:
+def close_fds(socks: List[socket.socket], overflow: OverflowSegments, stack_fds: List[int],
+              ring: "_core.Ring") -> None:
+    overflow.close()
+    for fd in stack_fds:
         try:
             os.close(fd)
         except OSError:  # pragma: no cover
             pass
-    overflow_fds.clear()
     stack_fds.clear()
     for s in socks:
         try:

@@ -38,10 +38,11 @@ from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
 from .launching import crossing, zygote
+from .transport import overflow
 from .transport.format import trailer as resume_trailer
 from .transport.writer import SlotWriter
 from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
-                   decode_task, recv_session_fds, send_overflow)
+                   decode_task, recv_session_fds)
 
 _POLL_S = 0.5
 
@@ -390,7 +391,7 @@ class _TaskLoop:
         kind: int = Kind.DATA
         if ofd is not None:
             try:
-                send_overflow(self._spec.sock, seq, ofd)
+                overflow.send(self._spec.sock, seq, ofd)
             finally:
                 os.close(ofd)
             kind |= FLAG_OVERFLOW

@@ -13,9 +13,14 @@ has the default collate stack tensors straight into the slot, then pickles
 the batch, describing those tensors where they lie and copying anything
 else into the slot's arena, and appends its resume capture (the trailer);
 it commits the slot with ``Kind.DATA``. The main process's ledger sees the
-slot READY, and :class:`~fastload.transport.reader.SlotReader` leases the
-slot and unpickles the meta into tensors that view it (or copies them out,
-when the loop holds too many batches).
+slot READY and reads its result into the batch's record, once;
+:class:`~fastload.transport.reader.SlotReader` then leases the slot and
+unpickles the meta into tensors that view it (or copies them out, when
+the loop holds too many batches). A batch bigger than its slot goes partly
+into an overflow segment, a memfd whose fd the worker sends on its channel
+before committing; :class:`~fastload.transport.overflow.OverflowSegments`
+holds such fds on the main side until the reader maps one or the ledger
+frees its batch unread.
 
 The modules, in dependency order: each imports only modules listed before
 it, at the top of the file (tests/test_imports.py checks it, and that
@@ -26,6 +31,10 @@ file imports none of them. Where each runs: *worker*, *main* or both.
    writer and reader must agree on (alignment, dtype codes, the meta's tag).
 2. ``writer`` (worker): :class:`~fastload.transport.writer.SlotWriter`, a
    batch or an error written into a slot.
-3. ``reader`` (main): :class:`~fastload.transport.reader.SlotReader` and
+3. ``overflow`` (both): overflow segments on the workers' channels: the
+   worker's :func:`~fastload.transport.overflow.send`, and
+   :class:`~fastload.transport.overflow.OverflowSegments`, their one owner
+   in the main process.
+4. ``reader`` (main): :class:`~fastload.transport.reader.SlotReader` and
    :func:`~fastload.transport.reader.read_batch`.
 """
