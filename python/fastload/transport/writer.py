@@ -355,10 +355,10 @@ class SlotWriter:
         try:
             meta = dumps_by_value(wrapper, "error")
         except Exception:
-            plain = RuntimeError(wrapper.msg)
+            plain = RuntimeError(wrapper.exc_msg)
             meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
         if len(meta) + len(trailer) > self.slot_bytes:
-            short = RuntimeError(wrapper.msg[:4096])
+            short = RuntimeError(wrapper.exc_msg[:4096])
             meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
         meta += trailer
         start = slot * self.slot_bytes
