@@ -29,14 +29,14 @@ from .debug_views import PoolView, RingView
 from .launching import crossing
 from .launching.child import Child
 from .launching.lineage import Lineage
-from .launching.spawn import spawn
+from .launching.spawn import hidden_env, spawn
 from .launching.start_methods import launcher_of
 from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
 from .pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
 from .transport.overflow import OverflowSegments
-from .wire import encode_session, hidden_env, send_session
+from .wire import encode_session, send_session
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("fastload")

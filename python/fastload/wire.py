@@ -1,6 +1,6 @@
 """The protocol between the main process and its workers, both sides in one place.
 
-Three channels connect them (see docs/design.md, "The ring"):
+Two kinds of message go between them (see docs/design.md, "The ring"):
 
 * **Tasks**, written by the main process into the slot they belong to and
   read by the worker that the ring queued them for. On the wire a task is a
@@ -37,24 +37,16 @@ Three channels connect them (see docs/design.md, "The ring"):
   The kind is protocol, not slot format: it is the worker's answer to its
   task, which the ledger and the iterator act on without reading the slot;
   the format says how the bytes of a ``DATA`` or ``ERROR`` answer lie.
-
-* **Signals**: ``STACK_SIGNAL`` asks a worker to dump its Python stack
-  (the hang watchdog); the accelerator variables in ``ACCELERATOR_ENV`` are
-  set empty in a worker's environment so it never creates a GPU context.
 """
 
 from __future__ import annotations
 
 import enum
 import pickle
-import signal
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Any, List, Optional, Union
-
-ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-STACK_SIGNAL = signal.SIGUSR1
 
 
 class Op(enum.IntEnum):
@@ -128,13 +120,6 @@ def decode_task(data: Any) -> Task:
     if task[0] == _SESSION:
         return SessionTask(task[1], task[2], task[3], task[4])
     raise ValueError(f"fastload: a task with unknown op {task[0]!r}")
-
-
-def hidden_env(hide: bool) -> dict:
-    """The environment overlay that hides accelerators from a new interpreter
-    (it reads the variables before any of our code runs; forked workers set
-    them again first thing)."""
-    return {k: "" for k in ACCELERATOR_ENV} if hide else {}
 
 
 def send_session(sock: socket.socket, fds: List[int]) -> None:

@@ -37,12 +37,13 @@ from ._core import WaitResult
 from ._ring import FdHandle, RingHandle
 from .capture import Capturer, CountingIter
 from .capture import apply as apply_resume
+from .deaths import STACK_SIGNAL
 from .launching import crossing, zygote
+from .launching.spawn import ACCELERATOR_ENV
 from .transport import overflow
 from .transport.format import trailer as resume_trailer
 from .transport.writer import SlotWriter
-from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
-                   decode_task, recv_session_fds)
+from .wire import FLAG_OVERFLOW, FetchTask, Kind, SessionTask, decode_task, recv_session_fds
 
 _POLL_S = 0.5
 
