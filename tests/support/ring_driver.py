@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from fastload import _core
 from fastload.transport import overflow
@@ -36,13 +36,18 @@ def segment(data: bytes) -> int:
 
 class FakeWorker:
     """Worker ``worker`` of ``ring``, played by the test: the ring's worker
-    side (``_core.WorkerRing``), attached by fd as a worker attaches it, and
-    ``sock``, its end of its channel, if the test gave it one."""
+    side (``_core.WorkerRing``: given, or attached by fd as a worker
+    attaches it), and ``sock``, its end of its channel, if the test gave it
+    one."""
 
-    def __init__(self, ring: _core.Ring, worker: int, sock: Optional[socket.socket] = None) -> None:
-        self.ring = _core.WorkerRing.attach(os.dup(ring.fd))  # attach takes the fd it is given
+    def __init__(self, ring: Union[_core.Ring, _core.WorkerRing], worker: int,
+                 sock: Optional[socket.socket] = None) -> None:
+        if isinstance(ring, _core.Ring):
+            ring = _core.WorkerRing.attach(os.dup(ring.fd))  # attach takes the fd it is given
+        self.ring = ring
         self.worker = worker
         self.sock = sock
+        self.task_len = 0  # the length of the task last taken
         self._joined = False
 
     def join(self, pid: Optional[int] = None) -> None:
@@ -55,7 +60,7 @@ class FakeWorker:
         first if the test did not)."""
         if not self._joined:
             self.join()
-        status, slot, seq, _n = self.ring.next_task(0.0)
+        status, slot, seq, self.task_len = self.ring.next_task(0.0)
         return (slot, seq) if status == _core.WaitResult.READY else None
 
     def send_segment(self, seq: int, data: bytes = b"overflow") -> None:
