@@ -29,12 +29,13 @@ file imports none of them. Where each runs: *worker*, *main* or both.
 
 1. ``format`` (both): how a result lies in its slot, the trailer, and what
    writer and reader must agree on (alignment, dtype codes, the meta's tag).
-2. ``writer`` (worker): :class:`~fastload.transport.writer.SlotWriter`, a
+2. ``overflow`` (both): the part of a batch that does not fit its slot:
+   the worker's segment (:func:`~fastload.transport.overflow.write`,
+   :func:`~fastload.transport.overflow.send`), and
+   :class:`~fastload.transport.overflow.OverflowSegments`, the one owner of
+   such segments in the main process.
+3. ``writer`` (worker): :class:`~fastload.transport.writer.SlotWriter`, a
    batch or an error written into a slot.
-3. ``overflow`` (both): overflow segments on the workers' channels: the
-   worker's :func:`~fastload.transport.overflow.send`, and
-   :class:`~fastload.transport.overflow.OverflowSegments`, their one owner
-   in the main process.
 4. ``reader`` (main): :class:`~fastload.transport.reader.SlotReader` and
    :func:`~fastload.transport.reader.read_batch`.
 """

@@ -2,7 +2,8 @@
 
 A batch bigger than its slot leaves in the slot what fits and writes the
 rest, with its meta, into an *overflow segment*: a memfd of its own
-(:meth:`fastload.transport.writer.SlotWriter.finish`). The worker hands the
+(:func:`write`, called by :meth:`fastload.transport.writer.SlotWriter.finish`).
+The worker hands the
 segment's fd to the main process on its channel (the socket the pool gave
 it; :func:`send`), closes its own copy, and only then commits the batch with
 ``FLAG_OVERFLOW``. So once the main process sees such a result, the fd is
@@ -27,11 +28,36 @@ import mmap
 import os
 import socket
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["OverflowSegments", "send"]
+import torch
+
+__all__ = ["OverflowSegments", "write", "send"]
 
 _MSG = struct.Struct("<Q")  # the stamp of the batch whose segment fd comes with it
+
+
+def write(size: int, parts: Sequence[Tuple[int, Any]]) -> int:
+    """Worker side: a new segment of ``size`` bytes holding ``parts``, each
+    (offset, a tensor or a bytes-like object) copied in at its offset;
+    returns its fd, which the caller sends (:func:`send`) and closes."""
+    fd = os.memfd_create("fastload-overflow", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(size, 1))
+        with mmap.mmap(fd, max(size, 1)) as mm:
+            u8 = torch.frombuffer(mm, dtype=torch.uint8)
+            for off, item in parts:
+                if isinstance(item, torch.Tensor):
+                    n = item.numel() * item.element_size()
+                    u8[off : off + n].view(item.dtype).view(item.shape).copy_(item)
+                else:
+                    n = memoryview(item).nbytes
+                    mm[off : off + n] = item
+            del u8
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def send(sock: socket.socket, seq: int, fd: int) -> None:

@@ -10,8 +10,6 @@ memfd when the slot is full. Its reading side is :mod:`fastload.transport.reader
 from __future__ import annotations
 
 import io
-import mmap
-import os
 import pickle
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +17,7 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from .._pickling import dumps_by_value, is_script_name
+from . import overflow
 from .format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
 __all__ = ["SlotWriter"]
@@ -339,7 +338,7 @@ class SlotWriter:
             meta_off = self._overflow.alloc(len(meta))
             assert meta_off is not None
             total = meta_off + len(meta)
-            fd = _write_overflow(total, self._pending, meta_off, meta)
+            fd = overflow.write(total, [*self._pending, (meta_off, meta)])
             return data_len, meta_off, len(meta), fd, total
         finally:
             self.abort()
@@ -364,26 +363,6 @@ class SlotWriter:
         start = slot * self.slot_bytes
         self._mv[start : start + len(meta)] = meta
         return len(meta)
-
-
-def _write_overflow(total: int, pending: List[Tuple[int, Any]], meta_off: int, meta: bytes) -> int:
-    fd = os.memfd_create("fastload-overflow", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, max(total, 1))
-        with mmap.mmap(fd, max(total, 1)) as mm:
-            u8 = torch.frombuffer(mm, dtype=torch.uint8)
-            for off, item in pending:
-                if isinstance(item, torch.Tensor):
-                    n = item.numel() * item.element_size()
-                    u8[off : off + n].view(item.dtype).view(item.shape).copy_(item)
-                else:
-                    mm[off : off + item.nbytes] = item
-            mm[meta_off : meta_off + len(meta)] = meta
-            del u8
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class _BatchPickler(pickle.Pickler):
