@@ -10,10 +10,9 @@ import pytest
 
 from fastload import _core
 from fastload.ledger import Role, SlotLedger
-from fastload.transport.overflow import OverflowSegments
 from fastload.wire import FLAG_OVERFLOW, Kind, encode_fetch
 from support.processes import open_fds
-from support.ring_driver import FakeWorker, channels, new_ring
+from support.ring_driver import Channels, FakeWorker, new_ring
 
 
 class Pool:
@@ -22,24 +21,19 @@ class Pool:
 
     def __init__(self, slots: int, workers: int) -> None:
         self.ring = new_ring(slots, workers)
-        self.mine, self.theirs = channels(workers)
-        self.overflow = OverflowSegments(self.mine)
+        self.channels = Channels(workers)
+        self.overflow = self.channels.segments
         self.ledger = SlotLedger(self.ring, self.overflow)
 
     def worker(self, w: int) -> FakeWorker:
-        return FakeWorker(self.ring, w, self.theirs[w])
-
-    def close(self) -> None:
-        self.overflow.close()
-        for s in self.mine + self.theirs:
-            s.close()
+        return FakeWorker(self.ring, w, self.channels.theirs[w])
 
 
 @pytest.fixture
 def pool() -> Iterator[Pool]:
     p = Pool(8, 2)
     yield p
-    p.close()
+    p.channels.close()
 
 
 def test_a_batch_from_assignment_to_its_result(pool: Pool) -> None:

@@ -11,35 +11,13 @@ from typing import Iterator, List
 import pytest
 
 from fastload.transport import overflow
-from fastload.transport.overflow import OverflowSegments
 from support.processes import open_fds
-from support.ring_driver import channels, segment
-
-
-class Channels:
-    """Two workers' channels, both ends, and the segments received on them."""
-
-    def __init__(self) -> None:
-        self.mine, self.theirs = channels(2)
-        self.segments = OverflowSegments(self.mine)
-
-    def send(self, worker: int, seq: int, data: bytes) -> None:
-        """Worker ``worker`` sends batch ``seq``'s segment and closes its fd."""
-        fd = segment(data)
-        try:
-            overflow.send(self.theirs[worker], seq, fd)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.segments.close()
-        for s in self.mine + self.theirs:
-            s.close()
+from support.ring_driver import Channels, segment
 
 
 @pytest.fixture
 def ch() -> Iterator[Channels]:
-    c = Channels()
+    c = Channels(2)
     yield c
     c.close()
 

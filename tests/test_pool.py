@@ -10,11 +10,12 @@ covers them with real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -88,10 +89,19 @@ def _pool(launches: Launches, workers: int, capacity: Optional[int] = None) -> W
                       launch=launches)
 
 
-def test_a_spawn_pool_starts_its_workers_with_it_each_with_a_channel_and_stack_file() -> None:
+@contextlib.contextmanager
+def _running(workers: int, capacity: Optional[int] = None) -> Iterator[Tuple[WorkerPool, Launches]]:
+    """A spawn pool of ``workers`` fakes, shut down when the block ends."""
     launches = Launches()
-    pool = _pool(launches, 2)
+    pool = _pool(launches, workers, capacity)
     try:
+        yield pool, launches
+    finally:
+        pool.shutdown()
+
+
+def test_a_spawn_pool_starts_its_workers_with_it_each_with_a_channel_and_stack_file() -> None:
+    with _running(2) as (pool, launches):
         assert launches.ids() == [0, 1]
         assert all(p.spec.num_workers == 2 and p.spec.hide_accelerators for p in launches.started)
         assert pool.procs == launches.started and pool.pids == (os.getpid(), os.getpid())
@@ -99,14 +109,10 @@ def test_a_spawn_pool_starts_its_workers_with_it_each_with_a_channel_and_stack_f
         assert len(channels) == 2 and channels[0] is not channels[1]
         assert len(set(pool.workers.stack_fds)) == 2 and pool.deaths_watched
         assert pool.dead_workers() == []
-    finally:
-        pool.shutdown()
 
 
 def test_a_session_sends_each_worker_the_parcel_then_queues_its_session_task() -> None:
-    launches = Launches()
-    pool = _pool(launches, 2)
-    try:
+    with _running(2) as (pool, launches):
         parcel = crossing.pack(("a dataset", 3), "session")
         records = pool.start_session(parcel, base_seed=7)
         assert [(r.role, r.worker) for r in records] == [(Role.SESSION, 0), (Role.SESSION, 1)]
@@ -125,14 +131,10 @@ def test_a_session_sends_each_worker_the_parcel_then_queues_its_session_task() -
             assert pool.ledger.wait(1.0) is not None
         assert not pool.ledger.busy()  # session records are freed as they complete
         assert pool.ring.free_slot_count() == pool.ring.num_slots
-    finally:
-        pool.shutdown()
 
 
 def test_replacing_a_dead_worker_starts_one_with_its_id_and_keeps_what_it_sent() -> None:
-    launches = Launches()
-    pool = _pool(launches, 2)
-    try:
+    with _running(2) as (pool, launches):
         dead = launches.started[0]
         assert dead.worker is not None
         dead.worker.send_segment(5, b"a batch it committed")
@@ -150,29 +152,21 @@ def test_replacing_a_dead_worker_starts_one_with_its_id_and_keeps_what_it_sent()
         hung = launches.started[1]
         pool.replace_worker(1)  # alive (hung): killed first
         assert hung.killed and launches.ids() == [0, 1, 0, 1]
-    finally:
-        pool.shutdown()
 
 
 def test_growing_starts_the_next_ids_and_each_new_worker_is_told_the_count() -> None:
-    launches = Launches()
-    pool = _pool(launches, 1, capacity=3)
-    try:
+    with _running(1, capacity=3) as (pool, launches):
         assert pool.grow(3) == [1, 2]
         assert launches.ids() == [0, 1, 2] and pool.num_workers == 3
         assert [p.spec.num_workers for p in launches.started] == [1, 3, 3]
         with pytest.raises(ValueError, match="a pool for 3 workers cannot grow to 4"):
             pool.grow(4)
         assert pool.num_workers == 3 and len(pool.procs) == 3
-    finally:
-        pool.shutdown()
 
 
 def test_shrinking_retires_the_last_workers_through_the_ring_and_forgets_them(
         caplog: pytest.LogCaptureFixture) -> None:
-    launches = Launches()
-    pool = _pool(launches, 3)
-    try:
+    with _running(3) as (pool, launches):
         last = launches.started[2]
         assert last.worker is not None
         last.worker.send_segment(9)
@@ -183,8 +177,6 @@ def test_shrinking_retires_the_last_workers_through_the_ring_and_forgets_them(
         assert not any(p.killed for p in launches.started)
         assert len(pool.procs) == len(pool.workers.channels) == len(pool.workers.stack_fds) == 1
         assert pool.num_workers == 1 and len(pool.overflow) == 1
-    finally:
-        pool.shutdown()
 
 
 def test_shutting_down_stops_every_worker_and_closes_the_pool_s_fds() -> None:

@@ -20,14 +20,13 @@ from torch._utils import ExceptionWrapper
 
 from fastload import _core
 from fastload.ledger import Role, SlotLedger
-from fastload.transport import overflow as overflow_channel
+from fastload.transport.overflow import send as send_segment
 from fastload.transport.format import split_trailer, trailer
-from fastload.transport.overflow import OverflowSegments
 from fastload.transport.reader import SlotReader, read_batch
 from fastload.transport.writer import SlotWriter
 from fastload.wire import FLAG_OVERFLOW, Kind
 from support.processes import open_fds
-from support.ring_driver import FakeWorker, channels, new_ring
+from support.ring_driver import Channels, FakeWorker, new_ring
 
 SLOT = 1 << 16
 Pair = collections.namedtuple("Pair", "x y")
@@ -141,11 +140,11 @@ class RingWay:
 
     def __init__(self, held_batches: int = 4) -> None:
         self.ring = new_ring(4, 1)
-        self.mine, self.theirs = channels(1)
-        self.overflow = OverflowSegments(self.mine)
+        self.channels = Channels(1)
+        self.overflow = self.channels.segments
         self.ledger = SlotLedger(self.ring, self.overflow)
         self.reader = SlotReader(self.ring, self.ledger, self.overflow, held_batches)
-        self.worker = FakeWorker(self.ring, 0, self.theirs[0])
+        self.worker = FakeWorker(self.ring, 0, self.channels.theirs[0])
         self.writer = SlotWriter(self.worker.ring.payload_region(), self.ring.slot_bytes)
 
     def send(self, obj: Any, snapshot: tuple = ("capture",)) -> Any:
@@ -157,7 +156,7 @@ class RingWay:
         kind = Kind.DATA
         if fd is not None:
             try:
-                overflow_channel.send(self.theirs[0], seq, fd)
+                send_segment(self.channels.theirs[0], seq, fd)
             finally:
                 os.close(fd)
             kind |= FLAG_OVERFLOW
@@ -179,9 +178,7 @@ class RingWay:
         self.reader.take(rec)
 
     def close(self) -> None:
-        self.overflow.close()
-        for sock in self.mine + self.theirs:
-            sock.close()
+        self.channels.close()
         # pytest keeps the fixture's value past the leak check: let go of
         # both sides' fds of the ring now.
         self.ring.close_fd()

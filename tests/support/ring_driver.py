@@ -1,7 +1,7 @@
 """Driving a ring from one process, for tests of the main side's parts with
 no worker process: :class:`FakeWorker` attaches to the ring by its fd, as a
-worker does, and takes and commits tasks when the test says so; with a
-channel (:func:`channels`), it sends overflow segments as a worker does."""
+worker does, and takes and commits tasks when the test says so; on
+:class:`Channels`, workers send overflow segments as workers do."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple, Union
 
 from fastload import _core
 from fastload.transport import overflow
+from fastload.transport.overflow import OverflowSegments
 from fastload.wire import Kind
 
 SLOT_BYTES = 1 << 20
@@ -20,18 +21,37 @@ def new_ring(num_slots: int = 8, num_workers: int = 2) -> _core.Ring:
     return _core.Ring.create(num_slots, num_workers, SLOT_BYTES)
 
 
-def channels(n: int) -> Tuple[List[socket.socket], List[socket.socket]]:
-    """``n`` worker channels as a pool makes them: (the main side's ends, the
-    workers' ends), one socketpair per worker id."""
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def segment(data: bytes) -> int:
     """An overflow segment holding ``data``: a memfd, as the writer makes one."""
     fd = os.memfd_create("fastload-test-overflow", os.MFD_CLOEXEC)
     os.write(fd, data)
     return fd
+
+
+class Channels:
+    """``n`` workers' channels as a pool makes them, one socketpair per
+    worker id (``mine``: the main side's ends, ``theirs``: the workers'),
+    and the overflow segments received on them."""
+
+    def __init__(self, n: int) -> None:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+        self.mine: List[socket.socket] = [p[0] for p in pairs]
+        self.theirs: List[socket.socket] = [p[1] for p in pairs]
+        self.segments = OverflowSegments(self.mine)
+
+    def send(self, worker: int, seq: int, data: bytes = b"overflow") -> None:
+        """Worker ``worker`` sends batch ``seq``'s segment, as a worker does
+        before it commits the batch, and closes its own fd."""
+        fd = segment(data)
+        try:
+            overflow.send(self.theirs[worker], seq, fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.segments.close()
+        for s in self.mine + self.theirs:
+            s.close()
 
 
 class FakeWorker:
