@@ -3,11 +3,10 @@
 A batch bigger than its slot leaves in the slot what fits and writes the
 rest, with its meta, into an *overflow segment*: a memfd of its own
 (:func:`write`, called by :meth:`fastload.transport.writer.SlotWriter.finish`).
-The worker hands the
-segment's fd to the main process on its channel (the socket the pool gave
-it; :func:`send`), closes its own copy, and only then commits the batch with
-``FLAG_OVERFLOW``. So once the main process sees such a result, the fd is
-on that worker's channel, or already here.
+The worker hands the segment's fd to the main process on its channel (the
+socket the pool gave it; :func:`send`), closes its own copy, and only then
+commits the batch with ``FLAG_OVERFLOW``. So once the main process sees
+such a result, the fd is on that worker's channel, or already here.
 
 :class:`OverflowSegments` is the main side: every segment fd received lives
 in it until the batch's reader maps it (:meth:`~OverflowSegments.open`), the
