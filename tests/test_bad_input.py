@@ -390,7 +390,7 @@ def test_strided_views_from_collate_like_dataloader():
     """Transposed, stepped, expanded (stride 0), overlapping as_strided,
     channels_last: same values and same strides as DataLoader's. A small
     view of a big fresh tensor arrives compacted (contiguous) on purpose
-    (serialize.SlotWriter._describe): same values, DataLoader's strides differ."""
+    (transport.writer.SlotWriter._describe): same values, DataLoader's strides differ."""
     ds = Images(6)
     dl = all_ok(dl_run(DataLoader(ds, batch_size=2, num_workers=NW,
                                   collate_fn=strided_collate)))

@@ -20,6 +20,7 @@ from fastload import teardown
 from fastload.launching.crossing import Parcel
 from fastload.launching.lineage import Lineage
 from fastload.launching.zygote_protocol import DECLINED, LOST, TAINTED
+from fastload.worker_handles import WorkerHandles
 from support.fake_zygotes import fake_servers
 from support.ring_driver import new_ring
 
@@ -152,7 +153,7 @@ def test_a_pool_s_teardown_stops_its_zygotes_then_lets_go_of_the_server() -> Non
     lineage.current.die()
     lineage.fork(0, "t", Parcel(b"spec"))  # a replacement zygote
     ring = new_ring()
-    teardown.stop_pool(ring, [], [], {}, [], lineage.zygotes, os.getpid(),
+    teardown.stop_pool(ring, WorkerHandles(ring, True), lineage.zygotes, os.getpid(),
                        leases=[lineage.lease])
     assert all(z.stopped for z in lineage.zygotes) and len(lineage.zygotes) == 2
     assert not lineage.lease.held and not started[0].stopped  # the loader's lease holds it

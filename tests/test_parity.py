@@ -30,8 +30,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
-from fastload.reader import read_batch
-from fastload.serialize import SlotWriter
+from fastload.transport.reader import read_batch
+from fastload.transport.writer import SlotWriter
 
 NESTED_PROTOTYPE = "ignore:The PyTorch API of nested tensors is in prototype stage"
 # Cleanup noise of DataLoader's own iterator when it fails in __init__: it

@@ -1,6 +1,8 @@
 """A batch's way from worker to tensor, with no process: ``SlotWriter``
 writes it into a slot (and an overflow segment when it does not fit),
-``read_batch`` rebuilds it from the bytes, views or copies."""
+``read_batch`` rebuilds it from the bytes, views or copies; and the whole
+way through a ring in this process, its worker played by the test:
+written, committed, seen by the ledger, taken by ``SlotReader``."""
 
 from __future__ import annotations
 
@@ -9,14 +11,22 @@ import gc
 import mmap
 import os
 import pickle
-from typing import Any, List, Optional, Tuple
+import threading
+from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
+from torch._utils import ExceptionWrapper
 
-from fastload.capture import split_trailer, trailer
-from fastload.reader import read_batch
-from fastload.serialize import SlotWriter
+from fastload import _core
+from fastload.ledger import Role, SlotLedger
+from fastload.transport.overflow import send as send_segment
+from fastload.transport.format import split_trailer, trailer
+from fastload.transport.reader import SlotReader, read_batch
+from fastload.transport.writer import SlotWriter
+from fastload.wire import FLAG_OVERFLOW, Kind
+from support.processes import open_fds
+from support.ring_driver import Channels, FakeWorker, new_ring
 
 SLOT = 1 << 16
 Pair = collections.namedtuple("Pair", "x y")
@@ -122,3 +132,115 @@ def test_out_of_band_buffers_of_numpy_arrays() -> None:
     out, _, _ = _round_trip({"a": arr, "t": torch.tensor(1)})
     assert isinstance(out["a"], np.ndarray) and (out["a"] == arr).all()
     assert out["a"].dtype == arr.dtype and out["a"].shape == arr.shape
+
+
+class RingWay:
+    """A ring of 4 slots and one worker, played by the test with a
+    :class:`SlotWriter` over its side of the payload, as ``worker.py`` does."""
+
+    def __init__(self, held_batches: int = 4) -> None:
+        self.ring = new_ring(4, 1)
+        self.channels = Channels(1)
+        self.overflow = self.channels.segments
+        self.ledger = SlotLedger(self.ring, self.overflow)
+        self.reader = SlotReader(self.ring, self.ledger, self.overflow, held_batches)
+        self.worker = FakeWorker(self.ring, 0, self.channels.theirs[0])
+        self.writer = SlotWriter(self.worker.ring.payload_region(), self.ring.slot_bytes)
+
+    def send(self, obj: Any, snapshot: tuple = ("capture",)) -> Any:
+        """``obj`` made by the worker as a batch and taken by the reader."""
+        rec = self.ledger.assign(Role.BATCH, 0, b"task", idx=0, index=[0])
+        slot, seq = self.worker.take()  # type: ignore[misc]
+        self.writer.begin(slot)
+        data_len, meta_off, meta_len, fd, _total = self.writer.finish(obj, trailer(snapshot))
+        kind = Kind.DATA
+        if fd is not None:
+            try:
+                send_segment(self.channels.theirs[0], seq, fd)
+            finally:
+                os.close(fd)
+            kind |= FLAG_OVERFLOW
+        self.worker.commit(slot, kind, data_len, meta_off=meta_off, meta_len=meta_len)
+        assert self.ledger.wait(1.0) is rec
+        return self.reader.take(rec)
+
+    def fail(self, error: BaseException) -> None:
+        """The worker's batch raised ``error``: the reader raises it."""
+        rec = self.ledger.assign(Role.BATCH, 0, b"task", idx=0, index=[0])
+        slot, _seq = self.worker.take()  # type: ignore[misc]
+        try:
+            raise error
+        except BaseException:
+            wrapper = ExceptionWrapper(where="in DataLoader worker process 0")
+        meta_len = self.writer.write_error(slot, wrapper, trailer(("capture",)))
+        self.worker.commit(slot, Kind.ERROR, meta_len=meta_len)
+        assert self.ledger.wait(1.0) is rec
+        self.reader.take(rec)
+
+    def close(self) -> None:
+        self.channels.close()
+        # pytest keeps the fixture's value past the leak check: let go of
+        # both sides' fds of the ring now.
+        self.ring.close_fd()
+        del self.writer, self.worker
+
+
+@pytest.fixture
+def way() -> Iterator[RingWay]:
+    w = RingWay()
+    yield w
+    w.close()
+
+
+def test_through_a_ring_the_batch_views_its_slot_until_its_last_tensor_dies(way: RingWay) -> None:
+    batch = way.send({"x": torch.arange(10), "name": "a"})
+    _same(batch, {"x": torch.arange(10), "name": "a"})
+    assert not way.reader.copied and pickle.loads(way.reader.snapshot) == ("capture",)
+    assert way.ring.state(0) == _core.SlotState.LEASED
+    del batch
+    gc.collect()
+    assert way.ring.free_slot_count() == way.ring.num_slots
+
+
+def test_through_a_ring_a_batch_bigger_than_its_slot_comes_with_its_segment(way: RingWay) -> None:
+    big = torch.arange(3 * way.ring.slot_bytes // 8, dtype=torch.int64)
+    before = open_fds()
+    batch = way.send((big, torch.tensor([1, 2])))
+    _same(batch, (big, torch.tensor([1, 2])))
+    assert pickle.loads(way.reader.snapshot) == ("capture",)
+    assert way.reader.batch_bytes >= big.numel() * 8 and not len(way.overflow)
+    del batch
+    gc.collect()  # the mapping goes with the last tensor viewing it
+    assert open_fds() <= before and way.ring.free_slot_count() == way.ring.num_slots
+
+
+def test_through_a_ring_a_batch_past_held_batches_is_copied_and_its_slot_freed() -> None:
+    way = RingWay(held_batches=0)
+    try:
+        batch = way.send([torch.ones(4)])
+        assert way.reader.copied and way.ring.free_slot_count() == way.ring.num_slots
+        _same(batch, [torch.ones(4)])
+    finally:
+        way.close()
+
+
+def test_through_a_ring_an_error_is_raised_with_its_type_and_frees_the_slot(way: RingWay) -> None:
+    with pytest.raises(KeyError, match="sample 7"):
+        way.fail(KeyError("sample 7"))
+    assert pickle.loads(way.reader.snapshot) == ("capture",)
+    assert way.ring.free_slot_count() == way.ring.num_slots
+
+
+def test_an_error_too_long_for_its_slot_keeps_the_start_of_its_message(way: RingWay) -> None:
+    long = "x" * (2 * way.ring.slot_bytes)
+    with pytest.raises(RuntimeError) as info:
+        way.fail(ValueError(long))
+    assert 4000 < len(str(info.value)) < 2 * way.ring.slot_bytes and "ValueError" in str(info.value)
+
+
+def test_an_error_that_cannot_be_pickled_arrives_as_its_message(way: RingWay) -> None:
+    class Unpicklable(Exception):  # a class of the script, sent by value: its lock cannot be
+        lock = threading.Lock()
+
+    with pytest.raises(RuntimeError, match="cannot travel"):
+        way.fail(Unpicklable("cannot travel"))

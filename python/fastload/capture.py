@@ -4,26 +4,22 @@ Runs in worker processes (see NOTE [ Resume ] in :mod:`fastload.resume`).
 After each batch, :class:`Capturer` takes the worker's ``random``, torch and
 numpy generator states and what its IterableDataset replica has given
 (:class:`CountingIter`, or the replica's own ``state_dict()``); the capture
-follows the batch's meta in its slot as a :func:`trailer`, which the main
-process cuts off again (:func:`split_trailer`). A resumed or restarted
-worker is put back to a capture by :func:`apply`.
+follows the batch's meta in its slot as a trailer
+(:func:`fastload.transport.format.trailer`), which the main process cuts
+off again. A resumed or restarted worker is put back to a capture by
+:func:`apply`.
 """
 
 from __future__ import annotations
 
 import array
-import pickle
 import random
-import struct
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["Capturer", "CountingIter", "trailer", "split_trailer", "apply",
-           "restore_generators", "is_stateful"]
-
-_TRAILER_LEN = struct.Struct("<I")
+__all__ = ["Capturer", "CountingIter", "apply", "restore_generators", "is_stateful"]
 
 
 class Capturer:
@@ -93,20 +89,6 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     out = bytearray(t.numel())
     torch.frombuffer(out, dtype=torch.uint8).copy_(t)
     return bytes(out)
-
-
-def trailer(snapshot: tuple) -> bytes:
-    """``snapshot`` as it follows a batch's meta in its slot: a pickle and its length."""
-    data = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
-    return data + _TRAILER_LEN.pack(len(data))
-
-
-def split_trailer(meta: Any) -> Tuple[Any, bytes]:
-    """(the meta without its trailer, the trailer's pickle), from a memoryview or bytes."""
-    mv = memoryview(meta)
-    n = _TRAILER_LEN.unpack(mv[len(mv) - _TRAILER_LEN.size:])[0]
-    end = len(mv) - _TRAILER_LEN.size
-    return mv[: end - n], bytes(mv[end - n : end])
 
 
 def apply(session: Any, resume: Optional[tuple]) -> None:

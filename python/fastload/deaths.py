@@ -3,7 +3,7 @@
 DataLoader's own wording for a worker's exit (so that code matching its
 messages keeps working), and a hung worker's Python stack, which the worker
 dumps with faulthandler into a memfd the pool keeps for it when it is sent
-:data:`fastload.wire.STACK_SIGNAL` (docs/design.md, "Never hang silently").
+:data:`STACK_SIGNAL` (docs/design.md, "Never hang silently").
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import signal
 import time
 from typing import Any, Optional
 
-from .wire import STACK_SIGNAL
+# Asks a worker for its Python stack: the worker has faulthandler dump it
+# on this signal (fastload.worker), into the memfd the pool keeps for it.
+STACK_SIGNAL = signal.SIGUSR1
 
 
 def exited_unseen(proc: Any) -> bool:

@@ -10,7 +10,7 @@ rest belongs to its parts, each driven by it and returning what happened:
 
 * :class:`fastload.ledger.SlotLedger` (the pool's): what each slot is doing;
 * :class:`fastload.supervisor.Supervisor`: deaths, hangs, restarts;
-* :class:`fastload.reader.SlotReader`: a done slot back into a batch;
+* :class:`fastload.transport.reader.SlotReader`: a done slot back into a batch;
 * :class:`fastload.loader_state.LoaderState` (the loader's): the pool, kept warm;
 * :class:`fastload.iterator_workers.WorkersMixin`: its session on the
   workers, its waits for their results, its end (NOTE [ Shutdown ]);
@@ -55,8 +55,8 @@ from .ledger import Record, Role
 from .epoch_meter import EpochMeter, loader_label, samples_in
 from .pool import WorkerPool
 from .process_state import ProcessState
-from .reader import SlotReader
 from .loader_state import LoaderState
+from .transport.reader import SlotReader
 from .wire import FLAG_OVERFLOW, Kind, encode_fetch
 
 log = logging.getLogger("fastload")
@@ -145,7 +145,7 @@ class FastLoaderIter(WorkersMixin, ResumeMixin, AutoCountMixin, _BaseDataLoaderI
             if runtime is not None:
                 pool.pin(runtime)
         pinner = self._pinner = pool.pinner if self._pin_memory else None
-        self._reader = SlotReader(self._ring, self._ledger, pool.recv_overflow,
+        self._reader = SlotReader(self._ring, self._ledger, pool.overflow,
                                   opts.held_batches, pinner)
         self._supervise(pool, blob, state)
         return blob

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _core
 from .pinning import ReleaseGate
+from .transport.overflow import OverflowSegments
 from .wire import FLAG_OVERFLOW
 
 
@@ -48,7 +49,7 @@ class Record:
     output, ``task``: the encoded task, kept so it can be sent again)."""
 
     __slots__ = ("role", "seq", "worker", "slot", "idx", "index", "task", "kind", "done",
-                 "make_ns")
+                 "make_ns", "result")
 
     def __init__(self, role: Role, seq: int, worker: int, slot: int, idx: int = -1,
                  index: Any = None, task: bytes = b"") -> None:
@@ -62,18 +63,22 @@ class Record:
         self.kind = -1  # once done: the result's Kind, maybe with FLAG_OVERFLOW (fastload.wire)
         self.done = False
         self.make_ns = 0  # once done: what its worker says making it took
+        # Once done: the ring's result, (kind, data_len, meta_off, meta_len,
+        # make_ns), read once; the reader finds the batch's bytes by it.
+        self.result: Optional[tuple] = None
 
 
 class SlotLedger:
     """The records of one pool's ring (see NOTE [ Slot lifetime ]).
 
-    ``close_overflow(worker, seq)`` closes the overflow fd a worker sent for
-    a batch that is discarded unread (the pool owns the sockets).
+    ``overflow`` holds the overflow segments the pool's workers send: a
+    batch freed unread, or taken back from a dead worker, has its segment
+    closed there.
     """
 
-    def __init__(self, ring: _core.Ring, close_overflow: Callable[[int, int], None]) -> None:
+    def __init__(self, ring: _core.Ring, overflow: OverflowSegments) -> None:
         self._ring = ring
-        self._close_overflow = close_overflow
+        self._overflow = overflow
         self._records: Dict[int, Record] = {}  # seq -> record, in stamp order
         self._seq = 0
         self._gate: Optional[ReleaseGate] = None  # a pinned ring's
@@ -146,12 +151,16 @@ class SlotLedger:
         if status != _core.WaitResult.READY:
             return None
         rec = waiting[which]
-        result = self._ring.result(rec.slot)
-        rec.kind, rec.make_ns = result[0], result[4]
-        rec.done = True
+        self._settle(rec)
         if rec.role is not Role.BATCH:
             self.discard(rec)
         return rec
+
+    def _settle(self, rec: Record) -> None:
+        """``rec``'s slot is READY: read its result into it, and mark it done."""
+        result = rec.result = self._ring.result(rec.slot)
+        rec.kind, rec.make_ns = result[0], result[4]
+        rec.done = True
 
     def drain(self, wait: Callable[[], Optional[Record]]) -> None:
         """Wait out every in-flight record (``wait``: the caller's own, which
@@ -162,10 +171,10 @@ class SlotLedger:
                 self.discard(rec)
 
     def discard(self, rec: Record) -> None:
-        """Free a done record's slot unread (and its overflow fd, if it has one)."""
+        """Free a done record's slot unread (and its overflow segment, if it has one)."""
         self._records.pop(rec.seq, None)
-        if rec.kind >= 0 and rec.kind & FLAG_OVERFLOW:
-            self._close_overflow(rec.worker, rec.seq)
+        if rec.done and rec.kind & FLAG_OVERFLOW:
+            self._overflow.discard(rec.worker, rec.seq)
         self._ring.release(rec.slot)
 
     def taken(self, rec: Record) -> None:
@@ -230,13 +239,16 @@ class SlotLedger:
 
         Results it committed stay (their slots are READY with its stamp).
         Unfinished sessions and orphans are freed; unfinished batches are
-        returned, in batch order, for :meth:`reassign`.
+        returned, in batch order, for :meth:`reassign`. The pool has
+        collected the worker's channel first: an overflow segment it sent
+        for a batch it never committed is closed.
         """
         redo = []
         for rec in sorted(self.of_worker(worker), key=lambda r: (r.role is Role.BATCH, r.idx)):
             if rec.done or self._ring.is_ready(rec.slot, rec.seq) or not self._ring.reclaim(rec.slot):
                 continue
             del self._records[rec.seq]
+            self._overflow.forget(rec.seq)
             if rec.role is Role.BATCH:
                 redo.append(rec)
             else:
@@ -245,12 +257,16 @@ class SlotLedger:
 
     def abandon_worker(self, worker: int) -> None:
         """Free the slots of every record of a dead worker that nobody will
-        read (an earlier iterator's orphans), committed or not."""
+        read (an earlier iterator's orphans), committed or not, and their
+        overflow segments (the pool has collected its channel first)."""
         for rec in sorted(self.of_worker(worker), key=lambda r: r.seq):
-            if rec.done or self._ring.is_ready(rec.slot, rec.seq):
+            if not rec.done and self._ring.is_ready(rec.slot, rec.seq):
+                self._settle(rec)  # its kind says whether a segment came with it
+            if rec.done:
                 self.discard(rec)
                 continue
             del self._records[rec.seq]
+            self._overflow.forget(rec.seq)
             if self._ring.reclaim(rec.slot):  # unfinished: back to the free list
                 self._ring.push_free_slot(rec.slot)
 

@@ -17,26 +17,24 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import _core
-from ._ring import FdHandle, RingHandle
-from .deaths import dump_stack, exited_unseen
 from .debug_views import PoolView, RingView
 from .launching import crossing
 from .launching.child import Child
 from .launching.lineage import Lineage
-from .launching.spawn import spawn
+from .launching.spawn import hidden_env, spawn
 from .launching.start_methods import launcher_of
 from .launching.zygote_client import Zygote
 from .ledger import Record, Role, SlotLedger
 from .pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
-from .wire import encode_session, hidden_env, recv_overflow, send_session
+from .wire import encode_session, send_session
 from .worker import WorkerSpec, worker_main
+from .worker_handles import Launch, WorkerHandles, wait_retired
 
 log = logging.getLogger("fastload")
 
@@ -58,6 +56,11 @@ class WorkerPool:
     instead of unpickling a copy each; the last session's workers are
     retired. Spawned and forked workers start with the pool and serve every
     session (the objects are sent to each of them).
+
+    The pool decides when workers start, are replaced, retire and stop;
+    :class:`~fastload.worker_handles.WorkerHandles` keeps their processes,
+    channels and stack files. ``launch`` starts one worker from its spec in
+    place of the start method's way (tests pass a fake).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class WorkerPool:
         zygote: Optional[Zygote] = None,
         inherited: Optional[tuple] = None,
         capacity: Optional[int] = None,
+        launch: Optional[Launch] = None,
     ) -> None:
         # ``capacity``: the most workers the pool may grow to (num_workers="auto");
         # the ring has a queue for each, and slots for each one's tasks.
@@ -80,23 +84,17 @@ class WorkerPool:
         self.config = (ctx, capacity, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.ring = _core.Ring.create(num_slots, capacity, slot_bytes, force_shm)
         self.num_workers = num_workers
-        # Whether every worker's death wakes the ring's waits (pidfds); if
-        # not, the iterator checks liveness between short waits.
-        self.deaths_watched = True
-        self.procs: List[multiprocessing.process.BaseProcess] = []
-        self._socks: List[socket.socket] = []
-        self._stack_fds: List[int] = []  # one memfd per worker for its stack dump
-        self._overflow_fds: Dict[int, int] = {}  # seq -> fd received early
-        # Through a weak reference: a ledger holding its pool would keep the
-        # pool (and its workers) alive until a garbage collection.
-        close = weakref.WeakMethod(self._close_overflow)
-        self.ledger = SlotLedger(self.ring, lambda w, seq: _call_if_alive(close, w, seq))
+        self.workers = WorkerHandles(self.ring, hide_accelerators, inherited)
+        # The overflow segments the workers send on their channels.
+        self.overflow = self.workers.overflow
+        self.ledger = SlotLedger(self.ring, self.overflow)
         # Set when batches are pinned in place; leases handed out keep it
         # alive past the pool.
         self._pinner: Optional[PinnedRing] = None
         # The default: workers forked from this pool's own zygote, itself
         # forked from the training process's fork server.
         self._launcher = launcher_of(ctx)
+        self._fake_launch = launch
         # The session objects themselves, for workers forked from this
         # process (what only fork can hand over). Such a pool serves one
         # session: a later one must see the objects as they are then.
@@ -111,7 +109,7 @@ class WorkerPool:
         elif zygote is not None:
             zygote.stop()
         self._finalizer = weakref.finalize(
-            self, stop_pool, self.ring, self.procs, self._socks, self._overflow_fds, self._stack_fds,
+            self, stop_pool, self.ring, self.workers,
             self.lineage.zygotes if self.lineage is not None else [], os.getpid(),
             leases=[self.lineage.lease] if self.lineage is not None else [])
         self._ctx = ctx
@@ -119,7 +117,6 @@ class WorkerPool:
         # A zygote pool's workers once its iterator handed it back (retire):
         # exited or exiting, on purpose; the next session forks fresh ones.
         self._retired: List[multiprocessing.process.BaseProcess] = []
-        self._handle = RingHandle(self.ring)
         if self._launcher != "zygote":  # zygote workers start with each session
             try:
                 for i in range(num_workers):
@@ -133,82 +130,30 @@ class WorkerPool:
 
     def _start_worker(self, i: int) -> None:
         """Start worker ``i`` (a new one, or the replacement of a dead one)."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        stack_fd = os.memfd_create(f"fastload-stack-{i}", os.MFD_CLOEXEC)
-        if i < len(self.procs):
-            self._socks[i].close()
-            os.close(self._stack_fds[i])
-            self._socks[i], self._stack_fds[i] = mine, stack_fd
-        else:
-            self._socks.append(mine)
-            self._stack_fds.append(stack_fd)
-        spec = WorkerSpec(
-            ring=self._handle,
-            sock=theirs,
-            worker_id=i,
-            num_workers=self.num_workers,
-            parent_pid=os.getpid(),
-            hide_accelerators=self._hide,
-            stack_file=FdHandle(stack_fd),
-            session=self._inherited,
-        )
-        try:
-            if self._launcher is None:  # fork: the spec is inherited, not pickled
-                p = self._ctx.Process(target=worker_main, args=(spec,),
-                                      name=f"fastload-worker-{i}", daemon=True)
-                p.start()
-            else:
-                parcel = crossing.pack(spec, "worker spec")
-                try:
-                    if self.lineage is not None:
-                        p = self.lineage.fork(i, _WORKER_MAIN, parcel)
-                    else:
-                        p = spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
-                finally:
-                    parcel.close()
-        finally:
-            theirs.close()
-        if i < len(self.procs):
-            self.procs[i] = p
-        else:
-            self.procs.append(p)
-        self._watch(i)
+        self.workers.start(i, self.num_workers, self._fake_launch or self._launch)
 
-    def _watch(self, i: int) -> None:
-        """Have worker ``i``'s death wake the main process's waits on the
-        ring (they answer WORKER_DIED): its pidfd, handed to the ring's
-        death watch (which keeps a duplicate). Where no pidfd can be had,
-        :attr:`deaths_watched` turns False and the iterator polls instead."""
-        p = self.procs[i]
-        fd = p.pidfd if isinstance(p, Child) else None
-        owned: Optional[int] = None
-        if fd is None:
-            try:
-                fd = owned = os.pidfd_open(p.pid)  # type: ignore[arg-type]
-            except ProcessLookupError:
-                # Gone and reaped already: a pipe with no writer reads as
-                # ready at once, so the death is reported like any other.
-                owned, w = os.pipe()
-                os.close(w)
-                fd = owned
-            except OSError as e:  # no pidfd_open (kernel < 5.3)
-                log.debug("fastload: cannot watch worker %d through a pidfd (%s); "
-                          "polling its liveness instead", i, e)
-                self.deaths_watched = False
-                return
+    def _launch(self, i: int, spec: WorkerSpec) -> multiprocessing.process.BaseProcess:
+        """Start worker ``i`` the pool's way: forked from its zygote, spawned,
+        or forked from this process with its spec (what only fork can hand
+        over) inherited rather than pickled."""
+        if self._launcher is None:
+            p = self._ctx.Process(target=worker_main, args=(spec,),
+                                  name=f"fastload-worker-{i}", daemon=True)
+            p.start()
+            return p
+        parcel = crossing.pack(spec, "worker spec")
         try:
-            self.ring.watch_worker(i, fd)
-        except RuntimeError as e:  # out of fds, or no thread to be had
-            log.warning("fastload: cannot watch worker %d (%s); polling its liveness instead", i, e)
-            self.deaths_watched = False
+            if self.lineage is not None:
+                return self.lineage.fork(i, _WORKER_MAIN, parcel)
+            return spawn(_WORKER_MAIN, parcel, env=hidden_env(self._hide))
         finally:
-            if owned is not None:
-                os.close(owned)
+            parcel.close()
 
     def replace_worker(self, w: int) -> None:
         """Replace dead (or hung: it is killed) worker ``w`` by a new process;
-        the old one has exited when this returns. Overflow fds it sent before
-        dying are kept. The caller starts the new worker's session."""
+        the old one has exited when this returns. Overflow segments it sent
+        before dying are kept (its channel is emptied as it is replaced).
+        The caller starts the new worker's session."""
         old = self.procs[w]
         self.ring.unwatch_worker(w)  # its death is handled here
         if old.exitcode is None:
@@ -216,26 +161,8 @@ class WorkerPool:
         old.join(5.0)
         if isinstance(old, Child):
             old.close()
-        self._collect_overflow(w)
         self.ring.reset_worker(w)
         self._start_worker(w)
-
-    def _collect_overflow(self, w: int) -> None:
-        """Keep the overflow fds worker ``w`` sent and nobody read yet (its
-        channel is about to be replaced)."""
-        sock = self._socks[w]
-        sock.setblocking(False)
-        try:
-            while True:
-                seq, fd = recv_overflow(sock)
-                if fd is None:
-                    break
-                self._overflow_fds[seq] = fd  # type: ignore[index]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except ConnectionResetError:
-            # It died with our session message unread: nothing of its to keep.
-            pass
 
     def _retire_workers(self) -> List[multiprocessing.process.BaseProcess]:
         """Retire every worker (a new session gets fresh ones); returns the
@@ -249,16 +176,9 @@ class WorkerPool:
                 # runs in it yet.
                 p.kill()
                 p.join(5.0)
-            self._collect_overflow(w)
+            self.overflow.collect(w)  # the ledger may free its batches unread
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
         return old
-
-    def _kill_workers(self) -> None:
-        """SIGKILL every live worker, its death unwatched (it is on purpose)."""
-        for w, p in enumerate(self.procs):
-            self.ring.unwatch_worker(w)
-            if p.pid is not None and p.exitcode is None:
-                p.kill()
 
     def retire(self) -> None:
         """An iterator handed this pool back: if its workers come from a
@@ -279,7 +199,7 @@ class WorkerPool:
             return
         orphans = self.ledger.busy()
         if orphans:
-            self._kill_workers()
+            self.workers.kill_all()
             for p in self.procs:
                 p.join(5.0)
         self._retired = self._retire_workers()
@@ -299,8 +219,8 @@ class WorkerPool:
         # The retired workers are gone before new ones attach (one queue each).
         deadline = time.monotonic() + 2.0
         for p in old:
-            _wait_retired(p, max(0.0, deadline - time.monotonic()))
-        self._forget_workers_past(self.num_workers)  # num_workers="auto" shrank it
+            wait_retired(p, max(0.0, deadline - time.monotonic()))
+        self.workers.forget_past(self.num_workers)  # num_workers="auto" shrank it
         for i in range(self.num_workers):
             self._start_worker(i)
 
@@ -325,24 +245,25 @@ class WorkerPool:
             w = len(self.procs) - 1
             p = self.procs[w]
             self.ring.unwatch_worker(w)  # it exits on purpose
-            self._collect_overflow(w)
             self.ring.reset_worker(w)  # its next next_task() answers SHUTDOWN
-            _wait_retired(p, 2.0)
-            self._forget_workers_past(w)
+            wait_retired(p, 2.0)
+            self.workers.forget_past(w)
         self.num_workers = n
 
-    def _forget_workers_past(self, n: int) -> None:
-        """Drop the handles of workers ``n`` and up (exited, or retired and
-        waited for): their process objects, channels and stack files."""
-        del self.procs[n:]
-        while len(self._socks) > n:
-            self._socks.pop().close()
-        while len(self._stack_fds) > n:
-            os.close(self._stack_fds.pop())
+    @property
+    def procs(self) -> List[multiprocessing.process.BaseProcess]:
+        """The workers' processes, by worker id."""
+        return self.workers.procs
 
     @property
     def pids(self) -> Tuple[int, ...]:
-        return tuple(p.pid for p in self.procs)  # type: ignore[misc]
+        return self.workers.pids
+
+    @property
+    def deaths_watched(self) -> bool:
+        """Whether every worker's death wakes the ring's waits (pidfds); if
+        not, the iterator checks liveness between short waits."""
+        return self.workers.deaths_watched
 
     @property
     def alive(self) -> bool:
@@ -418,7 +339,7 @@ class WorkerPool:
                     if fd is None:
                         fd = crossing.memfd_of(parcel.data)
                     self.ledger.make_free(1)
-                    send_session(self._socks[w], [fd, *parcel.fds])
+                    send_session(self.workers.channels[w], [fd, *parcel.fds])
                     task = encode_session(base_seed, False, states[w])
                 records.append(self.ledger.assign(Role.SESSION, w, task))
             return records
@@ -428,52 +349,21 @@ class WorkerPool:
 
     def death_note(self, worker: int) -> str:
         """What worker ``worker`` wrote before dying at start-up, if anything."""
-        note = getattr(self.procs[worker], "death_note", "")
-        return note if isinstance(note, str) else ""
+        return self.workers.death_note(worker)
 
     def worker_stack(self, worker: int, wait_s: float = 0.5) -> str:
         """The worker's Python stack, dumped by faulthandler on request."""
-        return dump_stack(self.procs[worker].pid, self._stack_fds[worker],  # type: ignore[arg-type]
-                          wait_s)
+        return self.workers.stack(worker, wait_s)
 
     def dead_workers(self) -> List[Tuple[int, int, Optional[int]]]:
         """(worker id, pid, exit code) of every worker that has exited; the
         code is None for a forked worker whose status is lost
         (:func:`~fastload.deaths.exited_unseen`). Not under forkserver, whose
         exit codes arrive a moment after the worker is gone."""
-        forked = self._launcher is None and self._ctx.get_start_method() == "fork"
-        out: List[Tuple[int, int, Optional[int]]] = []
         if self._retired:
-            return out  # they exit on purpose
-        for i, p in enumerate(self.procs):
-            code = p.exitcode
-            if code is not None or (forked and exited_unseen(p)):
-                out.append((i, p.pid, code))  # type: ignore[arg-type]
-        return out
-
-    def recv_overflow(self, worker: int, seq: int) -> int:
-        """The overflow segment fd a worker sent for batch ``seq``."""
-        fd = self._overflow_fds.pop(seq, None)
-        sock = self._socks[worker]
-        while fd is None:
-            got, got_fd = recv_overflow(sock)
-            if got_fd is None:
-                raise RuntimeError(f"fastload: worker {worker} closed its channel before sending "
-                                   f"the overflow data of batch {seq}")
-            if got == seq:
-                fd = got_fd
-            else:
-                self._overflow_fds[got] = got_fd  # type: ignore[index]
-        return fd
-
-    def _close_overflow(self, worker: int, seq: int) -> None:
-        os.close(self.recv_overflow(worker, seq))
-
-    def drop_overflow(self, seq: int) -> None:
-        """Forget an overflow fd of a batch nobody will read."""
-        fd = self._overflow_fds.pop(seq, None)
-        if fd is not None:
-            os.close(fd)
+            return []  # they exit on purpose
+        return self.workers.exited(
+            forked=self._launcher is None and self._ctx.get_start_method() == "fork")
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop every worker (idempotent). ``wait=False``: kill them at once,
@@ -483,25 +373,8 @@ class WorkerPool:
         self.ledger.forget()
         if not wait and self._finalizer.alive:
             try:
-                self._kill_workers()
+                self.workers.kill_all()
             except Exception:  # pragma: no cover - never let clean-up raise
                 pass
         self._finalizer()
 
-
-def _wait_retired(p: Any, timeout: float) -> None:
-    """Wait up to ``timeout`` s for a retired worker to exit on its own (it
-    sees the ring's answer at its next look), then kill it."""
-    p.join(timeout)
-    if p.exitcode is None:
-        log.warning("fastload: retired worker pid %s did not exit; killing it", p.pid)
-        p.kill()
-        p.join(5.0)
-    if isinstance(p, Child):
-        p.close()
-
-
-def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
-    fn = method()
-    if fn is not None:
-        fn(*args)

@@ -24,7 +24,7 @@ cost every worker the import, and the zygote its safety (such imports start
 threads).
 
 Left as they are: the accelerator variables (hidden or not by the loader,
-see ``fastload.wire``), the ``logging`` configuration (handlers hold streams
+see ``fastload.launching.spawn``), the ``logging`` configuration (handlers hold streams
 and files, which a spawned DataLoader worker does not get either) and module
 globals the script changed at run time.
 """
@@ -36,7 +36,7 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from .wire import ACCELERATOR_ENV
+from .launching.spawn import ACCELERATOR_ENV
 
 # An entry of warnings.filters, its category as (module, qualified name).
 _Filter = Tuple[str, Any, Tuple[str, str], Any, int]

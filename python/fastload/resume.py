@@ -32,8 +32,9 @@ Its result is plain data (ints, bytes, lists, dicts) that ``torch.save`` /
 This module is the main process's side: what an epoch's order is drawn
 from (:func:`epoch_start`), drawing it again (:class:`Replay`), and each
 worker's last delivered capture (:class:`ResumeBook`). The workers' side,
-taking and putting back a capture, is :mod:`fastload.capture`; the saved
-state's format and checks are :mod:`fastload.resume_format`.
+taking and putting back a capture, is :mod:`fastload.capture` (the capture
+travels as a trailer of the batch's meta, :mod:`fastload.transport.format`);
+the saved state's format and checks are :mod:`fastload.resume_format`.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .capture import Capturer, CountingIter, split_trailer, trailer
+from .capture import Capturer, CountingIter
 
 # The workers' side (fastload.capture) is named here too, for callers that
 # measure or test a capture's round trip through fastload.resume.
-__all__ = ["Capturer", "CountingIter", "trailer", "split_trailer", "global_generators_kept",
+__all__ = ["Capturer", "CountingIter", "global_generators_kept",
            "epoch_start", "Replay", "draw_base_seed", "draw_as_usual", "ResumeBook", "decode",
            "worker_resume"]
 

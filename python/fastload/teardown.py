@@ -4,39 +4,37 @@ and the pool's finalizer run (NOTE [ Shutdown ] in iterator_workers.py).
 The ring's shutdown flag first (every worker sees it at its next look at
 the ring and exits), then SIGTERM for a worker that does not stop within
 the grace period, then SIGKILL; the zygotes after their workers; last, this
-process's ends of the channels, stack memfds, overflow fds and the ring's
-fd. Idempotent and safe at interpreter exit: it never raises.
+process's ends of the channels, stack memfds, overflow segments and the
+ring's fd. Idempotent and safe at interpreter exit: it never raises.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import socket
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, List, Sequence
 
 from . import _core
 from .deaths import exited_unseen
 from .launching.child import Child
 from .launching.zygote_client import Zygote
+from .worker_handles import WorkerHandles
 
 log = logging.getLogger("fastload")
 
 
-def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProcess],
-          socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-          zygotes: List[Zygote], owner_pid: int, grace_s: float = 2.0,
-          leases: Sequence[Any] = ()) -> None:
+def stop_pool(ring: "_core.Ring", workers: WorkerHandles, zygotes: List[Zygote], owner_pid: int,
+              grace_s: float = 2.0, leases: Sequence[Any] = ()) -> None:
     """Stop workers and release our ends; idempotent; safe at interpreter exit.
 
     In a process forked from the owner (which inherited the pool object and
     may collect it) only this process's copies of the fds are closed: the
     ring, the workers and the zygote are the owner's."""
     if os.getpid() != owner_pid:
-        close_fds(socks, overflow_fds, stack_fds, ring)
+        _close_fds(workers, ring)
         return
+    procs = workers.procs
     try:
         ring.shutdown()
     except Exception:  # pragma: no cover - never let clean-up raise
@@ -84,23 +82,11 @@ def stop_pool(ring: "_core.Ring", procs: List[multiprocessing.process.BaseProces
     for p in procs:
         if isinstance(p, Child):
             p.close()  # its pidfd and death-note pipe; its exit code stays readable
-    close_fds(socks, overflow_fds, stack_fds, ring)
+    _close_fds(workers, ring)
 
 
-def close_fds(socks: List[socket.socket], overflow_fds: Dict[int, int], stack_fds: List[int],
-               ring: "_core.Ring") -> None:
-    for fd in [*overflow_fds.values(), *stack_fds]:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover
-            pass
-    overflow_fds.clear()
-    stack_fds.clear()
-    for s in socks:
-        try:
-            s.close()
-        except Exception:  # pragma: no cover
-            pass
+def _close_fds(workers: WorkerHandles, ring: "_core.Ring") -> None:
+    workers.close_fds()
     try:
         ring.close_fd()
     except Exception:  # pragma: no cover

@@ -1,6 +1,6 @@
 """The protocol between the main process and its workers, both sides in one place.
 
-Three channels connect them (see docs/design.md, "The ring"):
+Two kinds of message go between them (see docs/design.md, "The ring"):
 
 * **Tasks**, written by the main process into the slot they belong to and
   read by the worker that the ring queued them for. On the wire a task is a
@@ -29,29 +29,24 @@ Three channels connect them (see docs/design.md, "The ring"):
   would pickle a reference to this module's class: more bytes, slower).
 
 * **Results**, committed by the worker with a :class:`Kind` and the batch's
-  layout in the slot (see :mod:`fastload.batch_format`): ``Kind.DATA`` (a batch,
+  layout in the slot (see :mod:`fastload.transport.format`): ``Kind.DATA`` (a batch,
   ``FLAG_OVERFLOW`` set when part of it lies in an overflow segment whose fd
-  follows on the socket, tagged with ``OVERFLOW_MSG``), ``Kind.ERROR`` (a
-  pickled ``ExceptionWrapper``), ``Kind.EXHAUSTED`` (an IterableDataset
-  replica ended). The ring carries kinds opaquely, as ints.
-
-* **Signals**: ``STACK_SIGNAL`` asks a worker to dump its Python stack
-  (the hang watchdog); the accelerator variables in ``ACCELERATOR_ENV`` are
-  set empty in a worker's environment so it never creates a GPU context.
+  the worker sent on its socket first, :mod:`fastload.transport.overflow`),
+  ``Kind.ERROR`` (a pickled ``ExceptionWrapper``), ``Kind.EXHAUSTED`` (an
+  IterableDataset replica ended). The ring carries kinds opaquely, as ints.
+  The kind is protocol, not slot format: it is the worker's answer to its
+  task, which the ledger and the iterator act on without reading the slot;
+  the format says how the bytes of a ``DATA`` or ``ERROR`` answer lie.
 """
 
 from __future__ import annotations
 
 import enum
 import pickle
-import signal
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
-
-ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-STACK_SIGNAL = signal.SIGUSR1
+from typing import Any, List, Optional, Union
 
 
 class Op(enum.IntEnum):
@@ -74,7 +69,6 @@ class Kind(enum.IntEnum):
 # kind with it set is no Kind; test it with ``kind & FLAG_OVERFLOW``.
 FLAG_OVERFLOW = 0x10
 
-OVERFLOW_MSG = struct.Struct("<Q")  # seq of the batch whose overflow fd follows
 SESSION_HEAD = struct.Struct("<cI")  # b"S", number of fds; then b"F" for each further message
 _MAX_FDS_PER_MSG = 250  # under SCM_RIGHTS' per-message limit (253)
 
@@ -128,13 +122,6 @@ def decode_task(data: Any) -> Task:
     raise ValueError(f"fastload: a task with unknown op {task[0]!r}")
 
 
-def hidden_env(hide: bool) -> dict:
-    """The environment overlay that hides accelerators from a new interpreter
-    (it reads the variables before any of our code runs; forked workers set
-    them again first thing)."""
-    return {k: "" for k in ACCELERATOR_ENV} if hide else {}
-
-
 def send_session(sock: socket.socket, fds: List[int]) -> None:
     """The session's fds (the blob's memfd first), in messages of at most
     SCM_RIGHTS' limit; :func:`recv_session_fds` reassembles them."""
@@ -155,17 +142,3 @@ def recv_session_fds(sock: socket.socket) -> List[int]:
             raise RuntimeError("fastload: the main process closed the worker channel")
         fds += got
     return fds
-
-
-def send_overflow(sock: socket.socket, seq: int, fd: int) -> None:
-    """Worker side: hand the main process the overflow segment of batch ``seq``."""
-    socket.send_fds(sock, [OVERFLOW_MSG.pack(seq)], [fd])
-
-
-def recv_overflow(sock: socket.socket) -> Tuple[Optional[int], Optional[int]]:
-    """Main side: the next (seq, fd) a worker sent; (None, None) when its
-    channel is closed."""
-    msg, fds, _flags, _addr = socket.recv_fds(sock, OVERFLOW_MSG.size, 1)
-    if not fds:
-        return None, None
-    return OVERFLOW_MSG.unpack(msg)[0], fds[0]

@@ -7,7 +7,8 @@ polls the ring with a timeout, so it notices shutdown and the death of the
 main process on its own.
 
 The tasks it takes and the results it commits are described in
-:mod:`fastload.wire`.
+:mod:`fastload.wire`; what a session holds (the dataset replica, its seeds
+and fetcher) is :mod:`fastload.worker_session`.
 """
 
 from __future__ import annotations
@@ -16,33 +17,29 @@ import faulthandler
 import functools
 import multiprocessing.util
 import os
-import pickle
-import random
 import select
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
-from torch.utils.data._utils import HAS_NUMPY, collate, signal_handling
-from torch.utils.data._utils import worker as torch_worker
-from torch.utils.data._utils.fetch import _BaseDatasetFetcher
+from torch.utils.data._utils import collate, signal_handling
 
-from . import _core, _pickling
+from . import _core
 from ._core import WaitResult
 from ._ring import FdHandle, RingHandle
-from .capture import Capturer, CountingIter
-from .capture import apply as apply_resume
-from .capture import trailer as resume_trailer
+from .deaths import STACK_SIGNAL
 from .launching import crossing, zygote
-from .serialize import SlotWriter
-from .wire import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask,
-                   decode_task, recv_session_fds, send_overflow)
+from .launching.spawn import ACCELERATOR_ENV
+from .transport import overflow
+from .transport.writer import SlotWriter
+from .wire import FLAG_OVERFLOW, FetchTask, Kind, SessionTask, decode_task, recv_session_fds
+from .worker_session import Session
 
 _POLL_S = 0.5
 
@@ -118,78 +115,6 @@ def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     dataset shares."""
     fds = recv_session_fds(sock)
     return crossing.read_memfd(fds[0]), fds[1:]
-
-
-class _Session:
-    """One session of a worker: a dataset replica, its seeds and its fetcher."""
-
-    def __init__(self, load: Callable[[], tuple], base_seed: int, worker_id: int,
-                 num_workers: int, wrap_collate: Callable[[Any], Any],
-                 resume_from: Optional[tuple] = None) -> None:
-        self.worker_id = worker_id
-        self.capturer = Capturer()
-        self.where = f"in DataLoader worker process {worker_id}"
-        self.init_exception: Optional[ExceptionWrapper] = None
-        self.fetcher: Optional[_BaseDatasetFetcher] = None
-        self.iteration_end = False
-        self.epoch: Optional[int] = None
-        self.dataset: Any = None
-        (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
-         self.drop_last) = (None, None, None, 0, True, False)
-        try:
-            # The process state's environment and torch modes were applied
-            # as it was unpickled (here or in the zygote); its warnings
-            # filters go in now, with the dataset's modules imported.
-            (state, self.dataset, self.collate_fn, init_fn, self.dataset_kind,
-             self.auto_collation, self.drop_last) = load()
-            state.apply_filters()
-            self.collate_fn = wrap_collate(self.collate_fn)
-        except Exception:
-            self.init_exception = ExceptionWrapper(
-                where=f"{self.where} while unpickling the dataset"
-            )
-        # Exactly what torch's _worker_loop does, in the same order.
-        seed = base_seed + worker_id
-        random.seed(seed)
-        torch.manual_seed(seed)
-        if HAS_NUMPY:
-            import numpy as np  # optional: imported only when present, as torch's worker loop does
-
-            np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=self.dataset
-        )
-        if self.init_exception is None:
-            try:
-                if init_fn is not None:
-                    init_fn(worker_id)
-                self.fetcher = self.make_fetcher()
-                apply_resume(self, resume_from)
-            except Exception:
-                self.init_exception = ExceptionWrapper(where=self.where)
-
-    def make_fetcher(self) -> _BaseDatasetFetcher:
-        fetcher = _DatasetKind.create_fetcher(
-            self.dataset_kind, self.dataset, self.auto_collation, self.collate_fn, self.drop_last
-        )
-        if self.dataset_kind == _DatasetKind.Iterable:
-            # Counts the samples the replica gave: a resumed replica without
-            # state_dict() is fast-forwarded by that many.
-            fetcher.dataset_iter = CountingIter(fetcher.dataset_iter)
-        return fetcher
-
-    def capture(self) -> bytes:
-        """The resume trailer of the batch just made (see fastload.capture)."""
-        it = getattr(self.fetcher, "dataset_iter", None)
-        if isinstance(it, CountingIter):
-            return resume_trailer(self.capturer.capture(it.count, self.dataset))
-        return resume_trailer(self.capturer.capture(0))
-
-    def new_epoch(self, epoch: int) -> None:
-        if self.epoch is not None and self.init_exception is None:
-            self.fetcher = self.make_fetcher()  # DataLoader's _ResumeIteration
-        self.epoch = epoch
-        self.iteration_end = False
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -299,7 +224,7 @@ class _TaskLoop:
         self._mv = memoryview(payload).cast("B")
         self._slot_bytes = ring.slot_bytes
         self.writer = SlotWriter(payload, self._slot_bytes)
-        self._session: Optional[_Session] = None
+        self._session: Optional[Session] = None
 
     def run(self) -> None:
         """Until the ring shuts this worker down or the main process is gone."""
@@ -322,7 +247,7 @@ class _TaskLoop:
             assert self._session is not None, "fastload: a fetch task before any session"
             self._fetch(self._session, slot, seq, task, time.perf_counter_ns())
 
-    def _new_session(self, task: SessionTask) -> _Session:
+    def _new_session(self, task: SessionTask) -> Session:
         """The session a session task starts, its objects taken from where
         the task says."""
         spec = self._spec
@@ -333,10 +258,10 @@ class _TaskLoop:
         else:
             blob, fds = recv_session(spec.sock)
             load = functools.partial(crossing.unpack, blob, fds)
-        return _Session(load, task.base_seed, spec.worker_id, spec.num_workers,
+        return Session(load, task.base_seed, spec.worker_id, spec.num_workers,
                         self.writer.collating, task.resume)
 
-    def _fetch(self, session: _Session, slot: int, seq: int, task: FetchTask, t0: int) -> None:
+    def _fetch(self, session: Session, slot: int, seq: int, task: FetchTask, t0: int) -> None:
         """A fetch task: the batch, or what stands in for it (the replica's
         end, the session's set-up error). ``t0``: when the task was taken
         (``time.perf_counter_ns``), for the batch's make time."""
@@ -350,7 +275,7 @@ class _TaskLoop:
             return
         self._make_batch(session, slot, seq, task, t0)
 
-    def _make_batch(self, session: _Session, slot: int, seq: int, task: FetchTask,
+    def _make_batch(self, session: Session, slot: int, seq: int, task: FetchTask,
                     t0: int) -> None:
         """Fetch and collate the batch into ``slot``, then commit it (or the
         error that stopped it)."""
@@ -391,7 +316,7 @@ class _TaskLoop:
         kind: int = Kind.DATA
         if ofd is not None:
             try:
-                send_overflow(self._spec.sock, seq, ofd)
+                overflow.send(self._spec.sock, seq, ofd)
             finally:
                 os.close(ofd)
             kind |= FLAG_OVERFLOW
@@ -402,17 +327,5 @@ class _TaskLoop:
         self._ring.commit(slot, kind, data_len, meta_off, meta_len, time.perf_counter_ns() - t0)
 
     def _commit_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> None:
-        """Commit ``wrapper`` as the slot's result, cut short where it would not fit."""
-        try:
-            meta = _pickling.dumps_by_value(wrapper, "error")
-        except Exception:
-            plain = RuntimeError(wrapper.msg)
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
-        slot_bytes = self._slot_bytes
-        if len(meta) + len(trailer) > slot_bytes:
-            short = RuntimeError(wrapper.msg[:4096])
-            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
-        meta += trailer
-        start = slot * slot_bytes
-        self._mv[start : start + len(meta)] = meta
-        self._ring.commit(slot, Kind.ERROR, 0, 0, len(meta))
+        """Commit ``wrapper`` as the slot's result."""
+        self._ring.commit(slot, Kind.ERROR, 0, 0, self.writer.write_error(slot, wrapper, trailer))

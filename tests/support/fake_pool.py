@@ -30,6 +30,7 @@ from fastload import _core
 from fastload.iterator import FastLoaderIter
 from fastload.ledger import Role, SlotLedger
 from fastload.loader_state import LoaderOptions, LoaderState
+from fastload.transport.overflow import OverflowSegments
 from fastload.wire import SessionTask, encode_session
 
 from .ring_driver import SLOT_BYTES, FakeWorker
@@ -99,7 +100,8 @@ class FakePool:
         self.config = (ctx, capacity, num_slots, slot_bytes, hide_accelerators, force_shm)
         self.real_ring = _core.Ring.create(num_slots, capacity, slot_bytes)
         self.ring = DrivenRing(self.real_ring, self)
-        self.ledger = SlotLedger(self.ring, lambda w, seq: None)  # type: ignore[arg-type]
+        self.overflow = OverflowSegments([])  # a fake worker's batch always fits its slot
+        self.ledger = SlotLedger(self.ring, self.overflow)
         self.reusable = inherited is None
         self.pinner = None
         self.deaths_watched = True
@@ -206,9 +208,6 @@ class FakePool:
         self.dead = [d for d in self.dead if d[0] != w]
         self.real_ring.reset_worker(w)
         self.workers[w] = FakeWorker(self.real_ring, w)
-
-    def recv_overflow(self, worker: int, seq: int) -> int:
-        raise AssertionError("a fake worker's batch always fits its slot")
 
 
 class DrivenLoader(DataLoader):

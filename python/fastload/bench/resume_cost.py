@@ -35,6 +35,7 @@ def measure_resume_cost(workers: int = 8, prefetch: int = 4, calls: int = 200) -
     import numpy as np
 
     from .. import FastLoader, resume
+    from ..transport.format import split_trailer, trailer
     from .workloads import WORKLOADS
 
     ds, collate = WORKLOADS["tiny"].make("")
@@ -55,27 +56,26 @@ def measure_resume_cost(workers: int = 8, prefetch: int = 4, calls: int = 200) -
     del it, loader
 
     cap = resume.Capturer()
-    trailer = resume.trailer(cap.capture(0))
-    meta = b"\0" * 600 + trailer  # a tiny batch's meta is a few hundred bytes
+    meta = b"\0" * 600 + trailer(cap.capture(0))  # a tiny batch's meta is a few hundred bytes
     book = resume.ResumeBook(workers)
     book.new_epoch({})
     count = [0]
 
     def main_side() -> None:
-        _meta, snap = resume.split_trailer(meta)
+        _meta, snap = split_trailer(meta)
         book.taken(count[0] % workers, count[0], snap, count[0])
         count[0] += 1
 
     def numpy_used() -> bytes:
         np.random.random()
-        return resume.trailer(cap.capture(0))
+        return trailer(cap.capture(0))
 
     return {
         "workers": workers, "prefetch_factor": prefetch, "calls": calls,
         "state_dict_ms": {"median": statistics.median(times), "max": max(times)},
         "state_bytes": size,
         "main_us_per_batch": _per_call_us(main_side),
-        "worker_us_per_batch": {"numpy_idle": _per_call_us(lambda: resume.trailer(cap.capture(0))),
+        "worker_us_per_batch": {"numpy_idle": _per_call_us(lambda: trailer(cap.capture(0))),
                                 "numpy_used": _per_call_us(numpy_used)},
     }
 

@@ -22,9 +22,9 @@ import os
 import threading
 from typing import Callable, Dict, List, Optional
 
-from ..wire import hidden_env
 from . import crossing
 from .child import Child
+from .spawn import hidden_env
 from .zygote_client import Zygote
 from .zygote_protocol import DECLINED, PRELOADED
 

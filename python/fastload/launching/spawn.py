@@ -46,8 +46,12 @@ from typing import Any, Dict, Mapping, Optional
 from . import crossing
 from .child import Child, note_pipe
 
-__all__ = ["spawn", "child_header", "child_env", "OWN_PROCESS_GROUP", "BOOT_COMMAND",
-           "ZYGOTE_BOOT_COMMAND"]
+__all__ = ["spawn", "child_header", "child_env", "hidden_env", "ACCELERATOR_ENV",
+           "OWN_PROCESS_GROUP", "BOOT_COMMAND", "ZYGOTE_BOOT_COMMAND"]
+
+# Set empty in a worker's environment, so that it never creates a GPU
+# context (docs/design.md, "Starting workers").
+ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 # The child leads a process group of its own (``setpgid(0, 0)`` before exec).
 # 3.10's Popen has no ``process_group``; ``os.setpgrp`` is one system call.
@@ -73,6 +77,13 @@ def child_header(target: str, note_fd: int, parcel: crossing.Parcel) -> bytes:
         "fds": list(parcel.fds),
         "data": parcel.data,
     }, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def hidden_env(hide: bool) -> Dict[str, str]:
+    """The environment overlay that hides accelerators from a fresh
+    interpreter (it reads the variables before any of our code runs; a
+    worker forked from a zygote sets them again first thing)."""
+    return {k: "" for k in ACCELERATOR_ENV} if hide else {}
 
 
 def child_env(env: Optional[Mapping[str, str]]) -> Dict[str, str]:

@@ -1,7 +1,7 @@
-"""Main side of the batch wire format: a done slot back into a batch.
+"""Main side of the slot format: a done slot back into a batch.
 
-:class:`SlotReader` is the reading half of :class:`fastload.serialize.SlotWriter`
-(the layout is :mod:`fastload.batch_format`): it turns a slot a worker committed into the
+:class:`SlotReader` is the reading half of :class:`fastload.transport.writer.SlotWriter`
+(the layout is :mod:`fastload.transport.format`): it turns a slot a worker committed into the
 batch, or raises the error the worker sent. Its rule for memory is the point
 of fastload: the batch's tensors *view* the slot (a lease; the slot goes back
 to the workers when the last view dies), unless the training loop already
@@ -15,35 +15,52 @@ import bisect
 import ctypes
 import io
 import mmap
-import os
 import pickle
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
-from .batch_format import DTYPES, META_WITH_TABLES
-from .capture import split_trailer
-from .errors import add_note, as_list, short_list
-from . import _core
-from .ledger import Record, SlotLedger
-from .pinning import PinnedRing
-from .wire import FLAG_OVERFLOW, Kind
+from .. import _core
+from ..errors import add_note, as_list, short_list
+from ..pinning import PinnedRing
+from ..wire import FLAG_OVERFLOW, Kind
+from .format import DTYPES, META_WITH_TABLES, split_trailer
+from .overflow import OverflowSegments
+
+
+class DoneBatch(Protocol):
+    """A batch's record as the reader reads it (a :class:`fastload.ledger.Record`:
+    the ledger imports this package, so the reader names what it reads)."""
+
+    slot: int
+    seq: int
+    worker: int
+    idx: int  # its number in the epoch, and ``index`` the sampler's output: for errors
+    index: Any
+    result: Optional[tuple]  # the ring's result, read by the ledger once the slot was READY
+
+
+class Ledger(Protocol):
+    """What the reader asks of the slot ledger (:class:`fastload.ledger.SlotLedger`)."""
+
+    def taken(self, rec: Any) -> None: ...
+
+    def live_leases(self) -> int: ...
 
 
 class SlotReader:
     """Reads done batch slots of one ring for one iterator.
 
-    ``recv_overflow(worker, seq)`` gets the fd of a batch's overflow segment
-    (the pool's sockets); ``pinner``, when the ring is pinned, hands out
-    leases registered with the device runtime.
+    ``overflow`` holds the overflow segments of the ring's workers;
+    ``pinner``, when the ring is pinned, hands out leases registered with
+    the device runtime.
     """
 
-    def __init__(self, ring: _core.Ring, ledger: SlotLedger,
-                 recv_overflow: Callable[[int, int], int], held_batches: int,
-                 pinner: Optional[PinnedRing] = None) -> None:
+    def __init__(self, ring: _core.Ring, ledger: Ledger, overflow: OverflowSegments,
+                 held_batches: int, pinner: Optional[PinnedRing] = None) -> None:
         self._ring = ring
         self._ledger = ledger
-        self._recv_overflow = recv_overflow
+        self._overflow = overflow
         self._held_batches = held_batches
         self._pinner = pinner
         self.batch_bytes = 0  # bytes of the batch last read, to size slots
@@ -52,12 +69,12 @@ class SlotReader:
         # fastload.resume): the worker's state when it had made that batch.
         self.snapshot: Optional[bytes] = None
 
-    def take(self, rec: Record) -> Any:
-        """The batch in ``rec``'s slot (or its error, raised); the slot is
-        leased to the batch's tensors or freed."""
+    def take(self, rec: DoneBatch) -> Any:
+        """The batch in done record ``rec``'s slot (or its error, raised);
+        the slot is leased to the batch's tensors or freed."""
         ring = self._ring
         self._ledger.taken(rec)
-        kind, data_len, meta_off, meta_len, _make_ns = ring.result(rec.slot)
+        kind, data_len, meta_off, meta_len, _make_ns = rec.result  # type: ignore[misc]
         self.snapshot = None
         self.copied = False
         if kind == Kind.ERROR:
@@ -71,7 +88,7 @@ class SlotReader:
         meta: Any = None
         lease_len = meta_off + meta_len  # the slot holds data then meta
         if kind & FLAG_OVERFLOW:
-            overflow = self._map_overflow(rec)
+            overflow = self._overflow.open(rec.worker, rec.seq)
             meta = memoryview(overflow)[meta_off : meta_off + meta_len]
             lease_len = data_len  # the meta lies in the overflow segment
         self.batch_bytes = lease_len + (len(overflow) if overflow is not None else 0)
@@ -96,10 +113,12 @@ class SlotReader:
         finally:
             del lease  # frees the slot now: nothing read refers to it
 
-    def peek_snapshot(self, rec: Record) -> Optional[bytes]:
-        """The resume capture of a done batch still in its slot, left there
-        (None if its meta lies in an overflow segment)."""
-        kind, _data_len, meta_off, meta_len, _make_ns = self._ring.result(rec.slot)
+    def peek_snapshot(self, rec: DoneBatch) -> Optional[bytes]:
+        """The resume capture of a batch still in its slot, left there (None
+        if its meta lies in an overflow segment). The slot is READY; the
+        ledger may not have seen it yet."""
+        result = rec.result if rec.result is not None else self._ring.result(rec.slot)
+        kind, _data_len, meta_off, meta_len, _make_ns = result
         if kind & FLAG_OVERFLOW:
             return None
         return split_trailer(self._bytes(rec.slot, meta_off + meta_len)[meta_off:])[1]
@@ -109,15 +128,8 @@ class SlotReader:
         start = slot * self._ring.slot_bytes
         return bytes(memoryview(region)[start : start + n])
 
-    def _map_overflow(self, rec: Record) -> mmap.mmap:
-        fd = self._recv_overflow(rec.worker, rec.seq)
-        try:
-            return mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
 
-
-def _read(rec: Record, meta: Any, buffers: List[Any], copy: bool = False) -> Any:
+def _read(rec: DoneBatch, meta: Any, buffers: List[Any], copy: bool = False) -> Any:
     """read_batch; an error (e.g. an object that cannot be unpickled here)
     keeps its type and message and gets a note naming the batch."""
     try:

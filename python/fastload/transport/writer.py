@@ -1,24 +1,24 @@
-"""Worker side of the batch wire format: a batch written into its slot.
+"""Worker side of the slot format: a batch written into its slot.
 
-:class:`SlotWriter` writes a batch in the format :mod:`fastload.batch_format`
+:class:`SlotWriter` writes a batch in the format :mod:`fastload.transport.format`
 describes: the default collate stacks tensors straight into the slot
 (:meth:`SlotWriter.alloc_tensor`), and pickling the batch describes them where
 they lie and copies anything else into the slot's arena, or into an overflow
-memfd when the slot is full. Its reading side is :mod:`fastload.reader`.
+memfd when the slot is full. Its reading side is :mod:`fastload.transport.reader`.
 """
 
 from __future__ import annotations
 
 import io
-import mmap
-import os
 import pickle
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import ExceptionWrapper
 
-from ._pickling import is_script_name
-from .batch_format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
+from .._pickling import dumps_by_value, is_script_name
+from . import overflow
+from .format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 
 __all__ = ["SlotWriter"]
 
@@ -310,7 +310,7 @@ class SlotWriter:
         """Serialise ``obj``; returns (data_len, meta_offset, meta_len, overflow_fd, overflow_len).
 
         ``trailer`` is appended to the meta, and counted in meta_len (the
-        worker's resume capture, see :mod:`fastload.capture`). With an
+        worker's resume capture, :func:`fastload.transport.format.trailer`). With an
         overflow fd, data_len/meta_* describe the overflow segment for the
         meta (which then lies there) and the slot keeps its part.
         """
@@ -338,30 +338,31 @@ class SlotWriter:
             meta_off = self._overflow.alloc(len(meta))
             assert meta_off is not None
             total = meta_off + len(meta)
-            fd = _write_overflow(total, self._pending, meta_off, meta)
+            fd = overflow.write(total, [*self._pending, (meta_off, meta)])
             return data_len, meta_off, len(meta), fd, total
         finally:
             self.abort()
 
 
-def _write_overflow(total: int, pending: List[Tuple[int, Any]], meta_off: int, meta: bytes) -> int:
-    fd = os.memfd_create("fastload-overflow", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, max(total, 1))
-        with mmap.mmap(fd, max(total, 1)) as mm:
-            u8 = torch.frombuffer(mm, dtype=torch.uint8)
-            for off, item in pending:
-                if isinstance(item, torch.Tensor):
-                    n = item.numel() * item.element_size()
-                    u8[off : off + n].view(item.dtype).view(item.shape).copy_(item)
-                else:
-                    mm[off : off + item.nbytes] = item
-            mm[meta_off : meta_off + len(meta)] = meta
-            del u8
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    def write_error(self, slot: int, wrapper: ExceptionWrapper, trailer: bytes) -> int:
+        """Write ``wrapper`` (what making a batch raised, with the worker's
+        traceback), then ``trailer``, from the start of ``slot``, as a
+        ``Kind.ERROR`` result lies (:mod:`fastload.transport.format`);
+        returns the length to commit. An exception that cannot be pickled
+        travels as a RuntimeError with its message, and one that does not
+        fit the slot with the message's first 4096 characters."""
+        try:
+            meta = dumps_by_value(wrapper, "error")
+        except Exception:
+            plain = RuntimeError(wrapper.exc_msg)
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, plain, None), wrapper.where))
+        if len(meta) + len(trailer) > self.slot_bytes:
+            short = RuntimeError(wrapper.exc_msg[:4096])
+            meta = pickle.dumps(ExceptionWrapper((RuntimeError, short, None), wrapper.where))
+        meta += trailer
+        start = slot * self.slot_bytes
+        self._mv[start : start + len(meta)] = meta
+        return len(meta)
 
 
 class _BatchPickler(pickle.Pickler):
