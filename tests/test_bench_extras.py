@@ -1,5 +1,6 @@
 """The benchmark's extra tables: copy-on-read memory, the first epoch and host
-to device (the last runs on a GPU only: ``tests/test_pinning.py``).
+to device (the last runs on a GPU only: ``tests/test_pinning.py``), and the
+short-epoch benchmark's harness (its figures need a GPU).
 
 Structure and bounded ratios only, never time: one small round of each."""
 
@@ -10,7 +11,7 @@ from typing import Any, Dict
 
 import pytest
 
-from fastload.bench import copy_on_read, first_epoch, first_minutes, h2d
+from fastload.bench import copy_on_read, first_epoch, first_minutes, h2d, short_epochs
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:This DataLoader will create .* worker processes in total")
@@ -83,6 +84,22 @@ def test_first_minutes_times_every_loader_and_a_second_loader_starts_warm():
     assert second["fastload"] < 0.5 * second["spawn"], second
     text = first_minutes.report_lines(res)
     assert all(first_minutes.LABELS[w] in text for w in first_minutes.MEASURES)
+
+
+@pytest.mark.slow
+def test_short_epochs_runs_both_loaders_and_delivers_every_image():
+    """The short-epoch benchmark's harness, on the CPU (its figures need a
+    GPU): both loaders, every epoch's batches, every image, and fastload's
+    own slot registrations timed (none without pinning)."""
+    pytest.importorskip("PIL")
+    res = short_epochs.measure(rounds=1, workers=2, epoch_batches=[3], epochs=2, batch_size=4,
+                               device="cpu")
+    assert res["correct"]
+    by_mode = res["median"]["3"]
+    assert set(by_mode) == set(short_epochs.MODES)
+    assert all(m["batches"] == 3 for m in by_mode.values()), by_mode
+    assert by_mode["fastload"]["register_calls"] == 0 and "register_s" not in by_mode["DataLoader"]
+    assert "3 b" in short_epochs.report_lines(res)
 
 
 def test_auto_workers_table_judges_against_the_best_fixed_count() -> None:

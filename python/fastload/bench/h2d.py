@@ -51,6 +51,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import Dataset
 
+from .fresh import run_fresh
+
 MODES = ("DataLoader", "fastload", "fastload device")
 
 
@@ -178,12 +180,7 @@ def limits(shape: Sequence[int], batch_size: int) -> Dict[str, Any]:
 
 
 def _child(payload: Dict[str, Any]) -> Dict[str, Any]:
-    cmd = [sys.executable, "-m", "fastload.bench.h2d", "--child", json.dumps(payload)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"host-to-device run {payload} failed (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_fresh("fastload.bench.h2d", payload, "host-to-device")
 
 
 def measure_h2d(rounds: int = 3, workers: int = 8, steps_ms: Sequence[float] = (0.0, 5.0),

@@ -34,12 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from .fresh import run_fresh
 
 MODES = ("DataLoader", "fastload")
 
@@ -151,12 +152,7 @@ def run_one(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _child(payload: Dict[str, Any]) -> Dict[str, Any]:
-    cmd = [sys.executable, "-m", "fastload.bench.short_epochs", "--child", json.dumps(payload)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"short-epoch run {payload} failed (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_fresh("fastload.bench.short_epochs", payload, "short-epoch")
 
 
 def measure(rounds: int, workers: int, epoch_batches: List[int], epochs: int,
