@@ -24,9 +24,9 @@ cost every worker the import, and the zygote its safety (such imports start
 threads).
 
 Left as they are: the accelerator variables (hidden or not by the loader,
-see ``fastload.launching.spawn``), the ``logging`` configuration (handlers hold streams
-and files, which a spawned DataLoader worker does not get either) and module
-globals the script changed at run time.
+see ``fastload.launching.spawn``), the ``logging`` configuration (handlers
+hold streams and files, which a spawned DataLoader worker does not get
+either) and module globals the script changed at run time.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def set_deterministic(mode: bool, warn_only: bool) -> None:
     the training process's setting.
 
     ``torch._C._set_deterministic_algorithms`` is private; the public
-    function is the fallback where it is missing, and tests/test_process_state.py
-    pins that both leave the same state behind."""
+    function is the fallback where it is missing, and
+    tests/test_process_state.py pins that both leave the same state."""
     import torch
 
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
