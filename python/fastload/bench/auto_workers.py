@@ -30,7 +30,6 @@ step time at the best fixed count.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
+
+from .fresh import print_and_save
 
 IO_SWEEP = (1, 2, 4, 8, 16, 32)
 CPU_SWEEP = (1, 2, 3, 4)
@@ -177,10 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the runs and medians as JSON")
     a = p.parse_args(argv)
     res = measure_auto_workers(a.rounds, a.seconds)
-    sys.stdout.write(report_lines(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(report_lines(res), res, a.json)
     return 0
 
 

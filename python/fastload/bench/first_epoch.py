@@ -32,6 +32,8 @@ import tempfile
 import textwrap
 from typing import Any, Dict, List, Optional
 
+from .fresh import print_and_save
+
 SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch
@@ -125,10 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the runs and medians as JSON")
     a = p.parse_args(argv)
     res = measure_first_epoch(a.rounds, a.build_s, a.workers)
-    sys.stdout.write(report_lines(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(report_lines(res), res, a.json)
     return 0
 
 

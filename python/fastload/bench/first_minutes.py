@@ -45,6 +45,8 @@ import tempfile
 import textwrap
 from typing import Any, Dict, List, Optional
 
+from .fresh import print_and_save
+
 # The dataset, in a module of its own (importable by name, as a user's is).
 IMAGES_MODULE = textwrap.dedent("""
     import torch
@@ -202,10 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the runs and medians as JSON")
     a = p.parse_args(argv)
     res = measure_first_minutes(a.rounds, a.workers, a.build_s, tuple(a.measures.split(",")))
-    sys.stdout.write(report_lines(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(report_lines(res), res, a.json)
     return 0
 
 

@@ -1,14 +1,17 @@
-"""One measure in a fresh interpreter, for the bench modules whose every run
-must start cold (a new process, torch imported anew, no loader before it):
-the module is run with ``--child`` and the run's spec as JSON, and prints
-its result as JSON on the last line of its output."""
+"""What the benchmark's extra-table modules share, kept free of torch (some
+of them run every measure in a child and stay light themselves):
+:func:`run_fresh`, one measure in a fresh interpreter, for modules whose
+every run must start cold (a new process, torch imported anew, no loader
+before it): the module is run with ``--child`` and the run's spec as JSON,
+and prints its result as JSON on the last line of its output; and
+:func:`print_and_save`, a module's output when it runs alone."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def run_fresh(module: str, payload: Dict[str, Any], what: str, timeout: float = 600) -> Dict[str, Any]:
@@ -20,3 +23,12 @@ def run_fresh(module: str, payload: Dict[str, Any], what: str, timeout: float = 
         raise RuntimeError(f"{what} run {payload} failed (exit {done.returncode}):\n"
                            f"{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def print_and_save(text: str, res: Dict[str, Any], path: Optional[str]) -> None:
+    """An extra table's module run alone: print its ``text`` and, given a
+    ``path``, write its runs and medians ``res`` there as JSON."""
+    sys.stdout.write(text)
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import Dataset
 
-from .fresh import run_fresh
+from .fresh import print_and_save, run_fresh
 
 MODES = ("DataLoader", "fastload", "fastload device")
 
@@ -261,10 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     res = measure_h2d(a.rounds, a.workers, [float(s) for s in a.step_ms.split(",")],
                       a.batch_size, [int(d) for d in a.shape.split(",")], a.batches, a.warmup)
-    sys.stdout.write(report_lines(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(report_lines(res), res, a.json)
     return 0 if all(res["correct"].values()) else 1
 
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .fresh import run_fresh
+from .fresh import print_and_save, run_fresh
 
 MODES = ("DataLoader", "fastload")
 
@@ -216,10 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     res = measure(a.rounds, a.workers, [int(b) for b in a.epoch_batches.split(",")], a.epochs,
                   a.batch_size, a.device)
-    sys.stdout.write(report_lines(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(report_lines(res), res, a.json)
     return 0 if res["correct"] else 1
 
 
