@@ -9,10 +9,7 @@ the interrupted test is skipped rather than waited for.
 
 from __future__ import annotations
 
-import gc
-import os
 import signal
-import time
 
 import pytest
 
@@ -22,7 +19,7 @@ import pytest
 pytest.register_assert_rewrite("support.fault_harness", "support.fault_checks",
                                "support.fault_injection")
 
-from support.processes import open_fds, shm_entries, wait_no_children  # noqa: E402
+from support.processes import fds_left, open_fds, shm_entries, wait_no_children  # noqa: E402
 
 
 _interrupted = False
@@ -91,22 +88,7 @@ def no_leaks(request: pytest.FixtureRequest):
         return
     kids = wait_no_children()
     assert not kids, f"worker processes left behind: {[(k.pid, k.cmdline()) for k in kids]}"
-    gc.collect()
-    deadline = time.monotonic() + 5
-    while True:
-        leaked = open_fds() - fds_before
-        # fds that no longer resolve were closed between listing and checking
-        leaked = {fd for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
-        if not leaked or time.monotonic() > deadline:
-            break
-        gc.collect()
-        time.sleep(0.05)
-    targets = {}
-    for fd in leaked:
-        try:
-            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
+    targets = fds_left(fds_before)
     assert not targets, f"file descriptors left open: {targets}"
     shm_left = shm_entries() - shm_before
     assert shm_left == set(), f"/dev/shm entries left: {shm_left}"

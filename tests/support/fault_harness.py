@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import random
 import time
 from collections import defaultdict
@@ -38,7 +37,7 @@ from .fault_injection import Injector, Rescue, touch
 from .fault_scenarios import (DELAY_S, HT, SCENARIO_LIMIT_S, SEED, STATS, Scenario, draw_chain,
                               fault_str)
 from .faults import Pattern
-from .processes import open_fds, shm_entries, wait_no_children
+from .processes import fds_left, open_fds, shm_entries, wait_no_children
 
 
 class _LogRecords(logging.Handler):
@@ -306,22 +305,9 @@ def find_leaks(sc: Scenario, fds_before: set, shm_before: set) -> List[str]:
     kids = wait_no_children()
     if kids:
         out.append(f"{sc}: processes left: {[(k.pid, k.cmdline()) for k in kids]}")
-    deadline = time.monotonic() + 5
-    while True:
-        gc.collect()
-        fds = {fd for fd in open_fds() - fds_before if os.path.exists(f"/proc/self/fd/{fd}")}
-        if not fds or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if fds:
-        targets = {}
-        for fd in fds:
-            try:
-                targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                pass
-        if targets:
-            out.append(f"{sc}: fds left open: {targets}")
+    targets = fds_left(fds_before)
+    if targets:
+        out.append(f"{sc}: fds left open: {targets}")
     shm = shm_entries() - shm_before
     if shm:
         out.append(f"{sc}: /dev/shm entries left: {shm}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Iterable, List
+from typing import Dict, Iterable, List
 
 import psutil
 
@@ -72,6 +72,27 @@ def wait_pids_gone(pids: Iterable[int], timeout: float = 10.0) -> List[int]:
 def open_fds() -> set:
     """The names (numbers) of this process's open file descriptors."""
     return set(os.listdir("/proc/self/fd"))
+
+
+def fds_left(before: set, timeout: float = 5.0) -> Dict[str, str]:
+    """The fds open now that were not in ``before`` (an :func:`open_fds`
+    listing), with what each points to, once they stay open for ``timeout``
+    seconds (objects the collector frees close theirs meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        # fds that no longer resolve were closed between listing and checking
+        left = {fd for fd in open_fds() - before if os.path.exists(f"/proc/self/fd/{fd}")}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    targets = {}
+    for fd in left:
+        try:
+            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return targets
 
 
 def _foreign(name: str) -> bool:
