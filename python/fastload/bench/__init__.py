@@ -23,7 +23,8 @@ side-by-side rates), :mod:`.measure` (references, the machine),
 targets and correctness of a workload's runs),
 :mod:`.report` (targets, table, plot), :mod:`.options` (the command
 line: options, defaults, the workloads chosen), :mod:`.cli` (the order of
-the runs).
+the runs), :mod:`.ab` (``python -m fastload.bench.ab REV``: this tree's
+fastload against another commit's, run for run; docs/benchmarking.md).
 Nothing heavy is imported here: spawned workers import this package to
 unpickle the built-in datasets.
 """

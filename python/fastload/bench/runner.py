@@ -77,16 +77,19 @@ class Neighbours:
 class Child:
     """One run's process, seen from the parent: started ahead (its interpreter
     and imports overlap the previous run's teardown), told to go when the
-    previous run's processes are all gone, memory sampled throughout."""
+    previous run's processes are all gone, memory sampled throughout.
+    ``python``: the interpreter that runs it (another commit's venv, for
+    :mod:`fastload.bench.ab`); ``cwd``: its working directory."""
 
-    def __init__(self, spec: Dict[str, Any]) -> None:
+    def __init__(self, spec: Dict[str, Any], python: str = sys.executable,
+                 cwd: Optional[str] = None) -> None:
         self.spec = spec
         fd, self.out = tempfile.mkstemp(prefix="fastload-bench-", suffix=".json")
         os.close(fd)
         os.unlink(self.out)  # the child creates it, whole, when its result is ready
         self.log = tempfile.TemporaryFile()
         self.t_launch = time.time()
-        self.p = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec), self.out],
+        self.p = subprocess.Popen([python, "-c", CHILD, json.dumps(spec), self.out], cwd=cwd,
                                   stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         self.mem = MemSampler(self.p.pid)
@@ -157,11 +160,18 @@ class Child:
 
 
 def run_children(specs: List[Dict[str, Any]], timeout: float,
-                 on_start: Callable[[int], None], on_done: Callable[[int, Dict[str, Any]], None]) -> None:
+                 on_start: Callable[[int], None], on_done: Callable[[int, Dict[str, Any]], None],
+                 python_of: Optional[Callable[[int], str]] = None,
+                 cwd: Optional[str] = None) -> None:
     """Run ``specs`` one after the other, never two measuring at once: run
     ``i + 1`` is started (imports) once run ``i`` has its result, and told to
-    go once run ``i`` and all its processes are gone."""
-    nxt: Optional[Child] = Child(specs[0]) if specs else None
+    go once run ``i`` and all its processes are gone. ``python_of(i)``: the
+    interpreter of run ``i`` (default: this one)."""
+
+    def start(i: int) -> Child:
+        return Child(specs[i], python_of(i) if python_of is not None else sys.executable, cwd)
+
+    nxt: Optional[Child] = start(0) if specs else None
     cur: Optional[Child] = None
     try:
         for i in range(len(specs)):
@@ -172,7 +182,7 @@ def run_children(specs: List[Dict[str, Any]], timeout: float,
                 cur.go(timeout)
             neighbour_pids = busy.pids
             if i + 1 < len(specs):
-                nxt = Child(specs[i + 1])
+                nxt = start(i + 1)
             res = cur.finish()
             cur = None
             if neighbour_pids:
