@@ -231,3 +231,27 @@ def test_neighbours_are_killed_and_exit_without_their_parent():
     while _busy_loops_alive(orphans) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _busy_loops_alive(orphans) == []
+
+
+def test_ab_pairs_rounds_and_reports_the_ratio_s_spread(capsys):
+    """``fastload.bench.ab``'s figures from made-up runs: medians per side,
+    ratios paired by round (a failed run leaves its round out), and the
+    errors and wrong batches named in the table."""
+    from fastload.bench import ab
+
+    def run(sps: float, main_ms: float, workers_ms: float) -> Dict[str, Any]:
+        return {"samples_per_s": sps, "main_cpu_ms_per_batch": main_ms,
+                "workers_cpu_ms_per_batch": workers_ms, "epoch2": {"order_error": None}}
+
+    a = [run(100, 1.0, 2.0), run(120, 1.0, 2.0), run(90, 2.0, 4.0)]
+    b = [run(100, 1.0, 1.0), {"error": "Traceback...\nRuntimeError: boom"}, run(60, 1.0, 2.0)]
+    summary = ab.summarise({"w": [a, b]})
+    sps = summary["w"]["samples_per_s"]
+    assert sps["median"] == [100, 80]
+    assert sps["ratio"] == {"ratios": [1.0, 1.5], "median": 1.25, "min": 1.0, "max": 1.5}
+    assert summary["w"]["workers_cpu_ms_per_batch"]["ratio"]["ratios"] == [2.0, 2.0]
+    ab.report(summary, [ab.Side("A side", "python", []), ab.Side("B side", "python", [])],
+              __import__("sys").stdout)
+    text = capsys.readouterr().out
+    assert "1.250x (1.000-1.500, 2 rounds)" in text
+    assert "B ERROR: RuntimeError: boom" in text
