@@ -78,7 +78,9 @@ def _start_the_gpu_runtime() -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest):
-    """Fail a test that leaves a worker process, an fd or a /dev/shm entry behind."""
+    """Fail a test that leaves a worker process, an fd or a /dev/shm entry
+    behind (the fork server, which lives as long as this process, and its
+    fds are not counted: see support.processes)."""
     if request.node.get_closest_marker("gpu"):
         _start_the_gpu_runtime()
     fds_before = open_fds()

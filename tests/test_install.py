@@ -522,10 +522,16 @@ def test_install_starts_the_zygote_that_the_first_loader_takes() -> None:
     del it, loader
 
 
-def test_uninstall_stops_an_untaken_zygote() -> None:
+def test_uninstall_lets_go_of_the_fork_server_which_runs_until_shutdown() -> None:
+    """install() started the fork server (or found it running); uninstall()
+    lets go of its lease, and the server runs on, as it would after the last
+    loader, until the process ends or fastload.shutdown()."""
+    from fastload.launching.lineage import fork_server_pid
+    from support.processes import pid_alive, wait_pids_gone
+
     fastload.install()
     (pid,) = _zygote_pids()
     fastload.uninstall()
-    import psutil
-
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert pid_alive(pid) and fork_server_pid(True) == pid
+    fastload.shutdown()
+    assert wait_pids_gone([pid]) == []

@@ -2,11 +2,13 @@
 with no process: the fork servers and zygotes are fakes
 (``support.fake_zygotes``) that record what they are asked.
 
-One fork server per accelerator setting, kept running by leases and
-replaced when gone; each pool's zygote forked from it; workers that inherit
-the session their zygote preloaded, and only that one; a zygote that could
-not preload replaced when it is left unsafe, and no more preloads tried; a
-pool's teardown stops its zygotes, then lets go of the server.
+One fork server per accelerator setting, started by the first lease,
+running after the last is released until stopped, replaced when gone, and
+forgotten (its socket closed) in a forked child; each pool's zygote forked
+from it; workers that inherit the session their zygote preloaded, and only
+that one; a zygote that could not preload replaced when it is left unsafe,
+and no more preloads tried; a pool's teardown stops its zygotes and lets go
+of its lease, the server running on.
 """
 
 from __future__ import annotations
@@ -47,17 +49,35 @@ def test_a_zygote_forked_ahead_for_the_loader_is_the_pool_s_first() -> None:
     assert started[0].forked == [spare]  # none forked besides
 
 
-def test_the_fork_server_runs_while_a_lease_is_held() -> None:
+def test_the_fork_server_outlives_its_leases_until_stopped() -> None:
     servers, started = fake_servers()
     first, second = servers.lease(HIDE), servers.lease(HIDE)
     server = started[0]
+    assert servers.users(HIDE) == 2
     first.release()
     first.release()  # idempotent: one lease, released once
-    assert not server.stopped and second.held and not first.held
+    assert servers.users(HIDE) == 1 and second.held and not first.held
     second.release()
-    assert server.stopped
+    assert not server.stopped and servers.users(HIDE) == 0  # the last loader is gone
+    assert servers.lease(HIDE) and len(started) == 1  # the next loader finds it running
+    assert servers.held() == ([server.launched_pid], [])
+    servers.stop_all()  # fastload.shutdown(), or at exit
+    assert server.stopped and servers.held() == ([], [])
     servers.lease(HIDE)
     assert len(started) == 2 and not started[1].stopped  # a new lease starts a new one
+
+
+def test_a_forked_child_closes_its_copy_of_the_server_s_socket_and_forgets_it(monkeypatch) -> None:
+    servers, started = fake_servers()
+    servers.lease(HIDE)
+    servers.after_fork_in_child()  # in the owner itself: nothing to do
+    assert not started[0].closed_inherited
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # as in a forked child
+    servers.after_fork_in_child()
+    assert started[0].closed_inherited and not started[0].stopped  # the owner's to stop
+    assert servers.users(HIDE) == 0 and servers.held() == ([], [])
+    servers.server(HIDE)
+    assert len(started) == 2  # the child's own, if it needs one
 
 
 def test_a_fork_server_that_is_gone_is_replaced() -> None:
@@ -146,7 +166,7 @@ def test_what_a_preload_imported_is_imported_by_the_server_too() -> None:
     assert started[0].warmed == [["json", "support.datasets"]]  # not after a refusal
 
 
-def test_a_pool_s_teardown_stops_its_zygotes_then_lets_go_of_the_server() -> None:
+def test_a_pool_s_teardown_stops_its_zygotes_and_lets_go_of_its_lease() -> None:
     servers, started = fake_servers()
     loader_lease = servers.lease(HIDE)  # a loader still alive
     lineage = Lineage(2, HIDE, servers=servers)
@@ -156,6 +176,6 @@ def test_a_pool_s_teardown_stops_its_zygotes_then_lets_go_of_the_server() -> Non
     teardown.stop_pool(ring, WorkerHandles(ring, True), lineage.zygotes, os.getpid(),
                        leases=[lineage.lease])
     assert all(z.stopped for z in lineage.zygotes) and len(lineage.zygotes) == 2
-    assert not lineage.lease.held and not started[0].stopped  # the loader's lease holds it
+    assert not lineage.lease.held and servers.users(HIDE) == 1  # the loader's lease
     loader_lease.release()
-    assert started[0].stopped
+    assert not started[0].stopped  # the server outlives its last user

@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import fastload
 from fastload import FastLoader
 from fastload.debug import debug_view
+from fastload.launching.lineage import fork_servers_held
 from fastload.loader_state import loader_modules
 from support import NW
 from support.datasets import ACCEL_VARS, EnvProbe, Plain
@@ -51,14 +53,15 @@ def test_default_workers_are_forked_from_the_pool_zygote(monkeypatch):
     keys = ("index", "worker_id", "num_workers", "has_info", "threads")
     assert [tuple(r[k] for k in keys) for r in rows] == [tuple(r[k] for k in keys) for r in want]
     assert all(r[v] == "" for r in rows for v in ACCEL_VARS)
-    # The warm pool keeps its zygote; both end with the loader, and the
-    # fork server with the last loader.
+    # The warm pool keeps its zygote; both end with the loader. The fork
+    # server runs on, for the process's next loader.
     pids = pool.pids
     del it, pool
     assert pid_alive(zygote_pid)
     del loader
     gc.collect()
-    assert wait_pids_gone([zygote_pid, server, *pids], timeout=10) == []
+    assert wait_pids_gone([zygote_pid, *pids], timeout=10) == []
+    assert pid_alive(server)
 
 
 @pytest.mark.heavy
@@ -160,18 +163,34 @@ def test_worker_dies_after_its_zygote():
             pass
 
 
-def test_fork_server_starts_with_the_loader_and_ends_with_it_unused():
-    loader = FastLoader(Plain(8), batch_size=2, num_workers=NW)
-    pid = debug_view(loader).fork_server_pid
+def test_the_fork_server_outlives_the_loaders_until_shutdown():
+    """A loader made after the last one is gone forks from the same fork
+    server (no second torch import); fastload.shutdown() ends it, and the
+    next loader starts a new one."""
+    first = FastLoader(Plain(8), batch_size=2, num_workers=NW)
+    pid = debug_view(first).fork_server_pid
     assert pid is not None and pid_alive(pid)
-    del loader
-    assert wait_pids_gone([pid], timeout=10) == []  # the last loader is gone: stopped
+    assert [b.tolist() for b in first] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    del first
+    gc.collect()
+    time.sleep(0.2)
+    assert pid_alive(pid) and pid in fork_servers_held()[0]
+    second = FastLoader(Plain(4), batch_size=2, num_workers=NW)
+    assert debug_view(second).fork_server_pid == pid
+    assert [b.tolist() for b in second] == [[0, 1], [2, 3]]
+    fastload.shutdown()
+    assert wait_pids_gone([pid], timeout=10) == [] and fork_servers_held() == ([], [])
+    assert [b.tolist() for b in second] == [[0, 1], [2, 3]]  # its warm pool needs no server
+    third = FastLoader(Plain(4), batch_size=2, num_workers=NW)
+    new = debug_view(third).fork_server_pid
+    assert new is not None and new != pid
+    assert [b.tolist() for b in third] == [[0, 1], [2, 3]]
 
 
 def test_every_loader_forks_its_zygote_from_one_fork_server():
     """The fork server imports torch once; each pool's zygote is forked from
     it (its parent), for a first, second and third loader alike, and the
-    server stops when the last loader is gone."""
+    server runs on when the last loader is gone."""
     first = FastLoader(Plain(8), batch_size=2, num_workers=NW)
     server = debug_view(first).fork_server_pid
     it = iter(first)
@@ -191,7 +210,8 @@ def test_every_loader_forks_its_zygote_from_one_fork_server():
     assert debug_view(spawn).fork_server_pid is None
     assert debug_view(FastLoader(Plain(8))).fork_server_pid is None
     del first, loaders, it, loader
-    assert wait_pids_gone([server], timeout=10) == []
+    gc.collect()
+    assert pid_alive(server)
 
 
 @pytest.mark.parametrize("ctx", [None, "spawn", "forkserver", "fork"])
@@ -369,6 +389,8 @@ def test_the_loader_s_modules_are_imported_ahead_by_its_first_zygote(tmp_path, m
     Once that session is preloaded, the fork server imports the module too."""
     monkeypatch.setenv("FASTLOAD_TEST_IMPORT_MARKS", str(tmp_path))
     import support.heavy_module as heavy  # this process's own import, marked too
+
+    fastload.shutdown()  # a new server: the one running may have the module from an earlier test
 
     loader = FastLoader(heavy.SlowToImport(8), batch_size=2, num_workers=NW)
     spare = loader._fastload_state.spare_zygote

@@ -7,15 +7,25 @@ into a shared-memory ring that the main process reads without copying.
 For loaders that libraries build, ``fastload.install()`` (or
 ``python -m fastload run script.py``, or ``FASTLOAD_INSTALL=1`` in the
 environment) runs every DataLoader with workers on fastload.
+
+Importing fastload in a script starts its fork server (a fresh interpreter
+that imports torch once, from which every loader's workers are forked) in
+the background, so that torch's import there overlaps the script's own
+set-up; the server lives until the process ends, or :func:`shutdown`
+(``FASTLOAD_SERVER_AT_IMPORT=0`` leaves the start to the first loader).
 """
 
 from .errors import WorkerHangError
 from .install import install, installed, uninstall
+from .launching.lineage import shutdown
+from .launching.lineage import start_at_import as _start_at_import
 from .loader import FastLoader, stats
 from .loader_stats import LoaderStats, Percentiles, SlowBatch
 
 __all__ = ["FastLoader", "LoaderStats", "Percentiles", "SlowBatch", "WorkerHangError", "install",
-           "installed", "stats", "uninstall", "__version__"]
+           "installed", "shutdown", "stats", "uninstall", "__version__"]
 # The one place the version is written: pyproject.toml reads it from here
 # ([tool.scikit-build.metadata.version]) for the wheel's metadata.
 __version__ = "0.1.0"
+
+_start_at_import()

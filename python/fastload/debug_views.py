@@ -146,8 +146,8 @@ class LoaderView:
     idle_pool: Optional[PoolView]
     """The warm pool kept between epochs (``reuse_workers``), or None."""
     fork_server_pid: Optional[int]
-    """The fork server this loader keeps running (its pools' zygotes are
-    forked from it), or None: the loader holds no lease on one (an explicit
+    """The fork server this loader's pools' zygotes are forked from (it
+    outlives the loader), or None: the loader holds no lease on one (an explicit
     start method, ``num_workers=0``, or a DataLoader not yet iterated under
     ``fastload.install()``)."""
     iterator: Optional[IteratorView]

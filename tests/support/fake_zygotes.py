@@ -48,6 +48,7 @@ class FakeZygote:
         self.session_imports: List[str] = []
         self.forgotten = 0  # forget() calls
         self.warmed: List[List[str]] = []  # warm_imports() calls
+        self.closed_inherited = False  # close_inherited() was called
 
     @property
     def pid(self) -> Optional[int]:
@@ -63,6 +64,13 @@ class FakeZygote:
     def stop(self) -> None:
         self.alive = False
         self.stopped = True
+
+    def held_fds(self) -> List[int]:
+        return []
+
+    def close_inherited(self) -> None:
+        self.alive = False
+        self.closed_inherited = True
 
     def fork_zygote(self, wait: bool = True) -> "FakeZygote":
         if self.fork_fails:

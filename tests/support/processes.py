@@ -17,19 +17,23 @@ import psutil
 def children() -> List[psutil.Process]:
     """This process's live descendants, less the helpers that outlive a test.
 
-    multiprocessing's resource tracker and its process-wide forkserver are
-    shared helpers that live as long as this process. A pool's own zygote
-    (also a fork server) is not: it must end with its pool.
+    multiprocessing's resource tracker and its process-wide forkserver, and
+    fastload's fork servers, are shared helpers that live as long as this
+    process (fastload.launching.lineage.fork_servers_held names the latter).
+    A pool's own zygote (forked from a fork server) is not: it must end with
+    its pool.
     """
     from multiprocessing import forkserver
 
+    from fastload.launching.lineage import fork_servers_held
+
     me = psutil.Process()
     out = []
-    shared_forkserver = forkserver._forkserver._forkserver_pid
+    shared = {forkserver._forkserver._forkserver_pid, *fork_servers_held()[0]}
     for c in me.children(recursive=True):
         try:
             cmd = " ".join(c.cmdline())
-            if "resource_tracker" in cmd or c.pid == shared_forkserver:
+            if "resource_tracker" in cmd or c.pid in shared:
                 continue
             if c.status() == psutil.STATUS_ZOMBIE:
                 continue
@@ -77,12 +81,18 @@ def open_fds() -> set:
 def fds_left(before: set, timeout: float = 5.0) -> Dict[str, str]:
     """The fds open now that were not in ``before`` (an :func:`open_fds`
     listing), with what each points to, once they stay open for ``timeout``
-    seconds (objects the collector frees close theirs meanwhile)."""
+    seconds (objects the collector frees close theirs meanwhile). Those this
+    process holds for its fork servers, which outlive every loader by
+    design, are not counted."""
+    from fastload.launching.lineage import fork_servers_held
+
     deadline = time.monotonic() + timeout
     while True:
         gc.collect()
+        servers = {str(fd) for fd in fork_servers_held()[1]}
         # fds that no longer resolve were closed between listing and checking
-        left = {fd for fd in open_fds() - before if os.path.exists(f"/proc/self/fd/{fd}")}
+        left = {fd for fd in open_fds() - before - servers
+                if os.path.exists(f"/proc/self/fd/{fd}")}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)

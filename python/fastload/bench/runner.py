@@ -89,7 +89,14 @@ class Child:
         os.unlink(self.out)  # the child creates it, whole, when its result is ready
         self.log = tempfile.TemporaryFile()
         self.t_launch = time.time()
+        # Its fork server starts with its loader, not at its import of
+        # fastload (which every run, DataLoader's too, makes while it
+        # waits for its "go"): a server importing torch beside a measured
+        # run would load the machine, and the cold first batch is timed
+        # from the loader's construction.
+        env = dict(os.environ, FASTLOAD_SERVER_AT_IMPORT="0")
         self.p = subprocess.Popen([python, "-c", CHILD, json.dumps(spec), self.out], cwd=cwd,
+                                  env=env,
                                   stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         self.mem = MemSampler(self.p.pid)

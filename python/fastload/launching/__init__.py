@@ -39,8 +39,9 @@ zygote, a worker).
 9. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
    a zygote as the main process sees it: started as a fresh interpreter,
    asked to fork workers and zygotes, to preload a session, to stop.
-10. ``lineage`` (main): the training process's fork servers and the leases
-    that keep them running, and
+10. ``lineage`` (main): the training process's fork servers (started at
+    ``import fastload`` or by the first loader, ending with the process or
+    ``fastload.shutdown()``) and the loaders' leases on them, and
     :class:`~fastload.launching.lineage.Lineage`, the zygotes one pool
     forks its workers from and the session the current one holds.
 """

@@ -22,7 +22,7 @@ import select
 import signal
 import subprocess
 import time
-from typing import Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 __all__ = ["Child", "ExitReports", "NOTE_MAX", "note_pipe"]
 
@@ -100,6 +100,12 @@ class Child:
         """What the child wrote before dying of an error at start-up, if anything."""
         self._read_note()
         return self._note.decode(errors="replace").strip()
+
+    def held_fds(self) -> List[int]:
+        """The fds this handle holds (its death-note pipe, its pidfd)."""
+        if self._closed:
+            return []
+        return [fd for fd in (self._note_fd, self._pidfd) if fd is not None]
 
     def close(self) -> None:
         """Release the handle's fds (the process must be gone or not our concern)."""

@@ -5,7 +5,10 @@
 of the pool's own (:class:`fastload.launching.zygote_client.Zygote`),
 itself forked in milliseconds from the training process's *fork server*:
 one fresh interpreter that imports torch once (:func:`fork_server`), so that
-only the first loader of a training process waits for torch's import. A
+at most the first loader of a training process waits for torch's import.
+The server lives as long as the training process (:class:`ForkServers`),
+and starts at ``import fastload`` in the user's own code
+(:func:`start_at_import`) or with the first loader. A
 :class:`Lineage` is the zygote side of one pool: the zygotes it has
 started (one is replaced when it dies, gets stuck unpickling a session, or
 is left with threads in it), and the session the current one holds, so
@@ -19,8 +22,9 @@ import atexit
 import itertools
 import logging
 import os
+import sys
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import crossing
 from .child import Child
@@ -38,17 +42,27 @@ def _start_server(hide_accelerators: bool) -> Zygote:
 
 
 class ForkServers:
-    """The fork servers of this process, one per accelerator setting, and
-    the leases that keep them running.
+    """The fork servers of this process, one per accelerator setting.
 
     A server is started by the first lease (a loader's construction,
-    ``fastload.install()``), in the background: it imports torch while the
-    script goes on. It stops when the last lease is released (the last
-    loader is gone), so that no process outlives the loaders; a zygote
-    needed with no lease held (a pool outliving its loader) starts one that
-    stops with the next release or at exit. The server's environment hides
-    the accelerators or not, as the pools forked from it need; their
-    sessions set the rest of the training process's environment.
+    ``fastload.install()``) or by :func:`start_at_import`, in the
+    background: it imports torch while the script goes on. It then lives as
+    long as this process, as ``multiprocessing``'s forkserver does: it holds
+    no dataset and no GPU context (the zygotes, workers and rings of a
+    loader end with that loader), so a loader made after the last one was
+    dropped (a loader per epoch or per evaluation, a notebook cell run
+    again) forks from a ready server instead of importing torch again. It
+    ends when this process ends, however it ends: its control socket is
+    held by this process alone (a forked child closes its copy at once, see
+    :meth:`after_fork_in_child`), so the kernel closes it at any death,
+    SIGKILL included, and the server, reading the end of it, exits. Or at
+    :meth:`stop_all` (:func:`fastload.shutdown`, and at exit). A lease
+    marks a loader or pool as a user of the server and starts it if it is
+    not running; releasing the last one does not stop it.
+
+    The server's environment hides the accelerators or not, as the pools
+    forked from it need; their sessions set the rest of the training
+    process's environment.
 
     ``start_server(hide_accelerators)`` starts one (tests pass a fake).
     """
@@ -65,6 +79,20 @@ class ForkServers:
         (their sockets are the owner's), never stop them."""
         if os.getpid() != self._owner_pid:
             self._servers, self._leases, self._owner_pid = {}, {}, os.getpid()
+
+    def after_fork_in_child(self) -> None:
+        """In a child just forked from the owner (``os.fork``, a ``'fork'``
+        worker): close this process's copies of the servers' control
+        sockets, so that the servers end with the owner and not with the
+        last of its forked children, and forget the servers. Runs with one
+        thread in the process: the lock, maybe held by another thread of the
+        parent as it forked, is made anew rather than taken."""
+        if os.getpid() == self._owner_pid:
+            return
+        self._lock = threading.Lock()
+        for server in list(self._servers.values()):
+            server.close_inherited()
+        self._servers, self._leases, self._owner_pid = {}, {}, os.getpid()
 
     def server(self, hide_accelerators: bool) -> Zygote:
         """The live server for this setting; a new one if there is none, or
@@ -98,18 +126,20 @@ class ForkServers:
         return lease
 
     def release(self, hide_accelerators: bool, owner_pid: int) -> None:
+        """A lease is released: one user fewer. The server keeps running."""
         with self._lock:
             if os.getpid() != owner_pid or os.getpid() != self._owner_pid:
                 return  # a lease copied into a forked child: the parent's
-            left = self._leases.get(hide_accelerators, 0) - 1
-            self._leases[hide_accelerators] = max(left, 0)
-            stopping = [self._servers.pop(hide_accelerators)] if (
-                left <= 0 and hide_accelerators in self._servers) else []
-        for server in stopping:
-            server.stop()
+            self._leases[hide_accelerators] = max(self._leases.get(hide_accelerators, 0) - 1, 0)
+
+    def users(self, hide_accelerators: bool) -> int:
+        """How many leases on the server for this setting are held."""
+        with self._lock:
+            return self._leases.get(hide_accelerators, 0) if os.getpid() == self._owner_pid else 0
 
     def stop_all(self) -> None:
-        """Stop every server (at exit)."""
+        """Stop every server now (:func:`fastload.shutdown`, and at exit).
+        The next lease or zygote needed starts a new one."""
         with self._lock:
             if os.getpid() != self._owner_pid:
                 return
@@ -123,9 +153,23 @@ class ForkServers:
             server = self._servers.get(hide_accelerators) if os.getpid() == self._owner_pid else None
             return server.pid if server is not None and not server.gone() else None
 
+    def held(self) -> Tuple[List[int], List[int]]:
+        """The pids of the servers started by this process and not stopped,
+        and the fds this process holds for them (their control sockets,
+        death-note pipes): what outlives every loader by design, for leak
+        checks to tell apart from a leak."""
+        with self._lock:
+            if os.getpid() != self._owner_pid:
+                return [], []
+            servers = list(self._servers.values())
+        pids = [s.launched_pid for s in servers]
+        return pids, [fd for s in servers for fd in s.held_fds()]
+
 
 class ServerLease:
-    """Keeps a fork server running until :meth:`release` (idempotent)."""
+    """Marks a user of a fork server (started by the lease if it was not
+    running) until :meth:`release` (idempotent). The server outlives its
+    leases (see :class:`ForkServers`)."""
 
     def __init__(self, servers: ForkServers, hide_accelerators: bool) -> None:
         self._servers = servers
@@ -147,11 +191,16 @@ class ServerLease:
 # interpreter importing torch per training process, docs/design.md).
 _FORK_SERVERS = ForkServers()
 atexit.register(_FORK_SERVERS.stop_all)
+os.register_at_fork(after_in_child=_FORK_SERVERS.after_fork_in_child)
+
+# Set to "0" to start no fork server at ``import fastload`` (see
+# :func:`start_at_import`).
+SERVER_AT_IMPORT_ENV = "FASTLOAD_SERVER_AT_IMPORT"
 
 
 def lease_fork_server(hide_accelerators: bool) -> ServerLease:
-    """Start the fork server for this setting if it is not running, and keep
-    it running until the lease is released."""
+    """Start the fork server for this setting if it is not running, and mark
+    the caller as a user of it until the lease is released."""
     return _FORK_SERVERS.lease(hide_accelerators)
 
 
@@ -164,6 +213,75 @@ def fork_server_pid(hide_accelerators: bool) -> Optional[int]:
     """The pid of the running fork server for this setting, or None; starts
     nothing (for diagnostics)."""
     return _FORK_SERVERS.running_pid(hide_accelerators)
+
+
+def fork_servers_held() -> Tuple[List[int], List[int]]:
+    """The pids of this process's running fork servers and the fds it holds
+    for them (see :meth:`ForkServers.held`)."""
+    return _FORK_SERVERS.held()
+
+
+def shutdown() -> None:
+    """Stop this process's fork servers now.
+
+    fastload keeps one fork server per training process (a fresh
+    interpreter that has imported torch, from which every loader's workers
+    are forked) for as long as the process runs, and stops it at exit, or
+    when the process dies: call this only to have it gone sooner (its memory
+    back, say, once a script is done with loaders). Loaders still alive keep
+    their own processes and go on working; the next one that needs the
+    server starts a new one, which imports torch again.
+    """
+    _FORK_SERVERS.stop_all()
+
+
+def _started_by_fastload_or_multiprocessing() -> bool:
+    """Whether this interpreter is one fastload or ``multiprocessing``
+    started (a worker, a zygote, the fork server, a spawned DataLoader
+    worker or DDP rank importing the script as ``__mp_main__``)."""
+    import multiprocessing
+
+    # fastload's fresh interpreters, and multiprocessing's (a spawned child,
+    # its forkserver, which imports __main__ ahead), run ``python -c``.
+    if any("fastload.launching.boot" in arg or "from multiprocessing" in arg
+           for arg in getattr(sys, "orig_argv", ())):
+        return True
+    me = multiprocessing.current_process()
+    return (multiprocessing.parent_process() is not None or me.name != "MainProcess"
+            or getattr(me, "_inheriting", False))
+
+
+def _install_hook_on() -> bool:
+    """Whether ``FASTLOAD_INSTALL`` is on (as ``_fastload_autoinstall.enabled``
+    reads it): its start-up hook imports fastload in every Python process of
+    the tree, most of which never iterate a loader."""
+    return os.environ.get("FASTLOAD_INSTALL", "").strip().lower() not in (
+        "", "0", "false", "no", "off")
+
+
+def start_at_import() -> bool:
+    """Start the default fork server (accelerators hidden) as ``import
+    fastload`` runs in the user's own code, so that torch's import in it
+    overlaps the script's own imports and set-up, and the first loader's
+    first batch does not wait for it. Returns whether it started one.
+
+    Not in a process that fastload or ``multiprocessing`` started, nor with
+    ``FASTLOAD_INSTALL`` on (its hook imports fastload in every Python
+    process of a tree; the first loader starts the server there), nor with
+    ``FASTLOAD_SERVER_AT_IMPORT=0``. A script that never makes a loader pays
+    one process start here (the server imports torch on another core, and
+    is stopped at exit).
+    """
+    if os.environ.get(SERVER_AT_IMPORT_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _install_hook_on() or _started_by_fastload_or_multiprocessing():
+        return False
+    try:
+        _FORK_SERVERS.server(True)
+    except OSError as e:  # the first loader tries again, and reports
+        log.debug("fastload: could not start the fork server at import: %s", e)
+        return False
+    return True
 
 
 class Lineage:

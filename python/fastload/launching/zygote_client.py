@@ -181,6 +181,30 @@ class Zygote:
         """Its pid, also after it is gone (for diagnostics)."""
         return self._proc.pid
 
+    def held_fds(self) -> List[int]:
+        """The fds this process holds for the zygote (its control socket,
+        its process's handle), while it is not stopped."""
+        if not self.alive:
+            return []
+        fds = [self._ctl.fileno()]
+        if self._proc_handle is not None:
+            fds += self._proc_handle.held_fds()
+        return [fd for fd in fds if fd >= 0]
+
+    def close_inherited(self) -> None:
+        """In a process forked from the owner: close this process's copy of
+        the control socket, so that the zygote's life does not depend on
+        this process (the zygote ends when every copy is closed). Takes no
+        lock: a forked child runs one thread, and the lock may have been
+        held by another thread of the parent as it forked."""
+        if os.getpid() == self._owner_pid:
+            return
+        self.alive = False
+        try:
+            self._ctl.close()
+        except OSError:
+            pass
+
     def gone(self) -> bool:
         """Whether the zygote has exited (or was stopped, or its server died
         before forking it)."""
