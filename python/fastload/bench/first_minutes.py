@@ -22,6 +22,13 @@ reported, and each loader's time over fork's and over spawn's:
   library does): fastload's zygote imports it while the model is built;
 * ``second``: a validation loader (4 workers) built after the training
   loader ran an epoch: its first batch, timed from construction;
+* ``later``: a loader built after the training loader ran an epoch and
+  was dropped (a loader per evaluation, a notebook cell run again): its
+  first batch, timed from construction (fastload's fork server lives on);
+* ``import-top``: a newcomer's script: ``import fastload`` at its top
+  (fastload's fork server starts there), ``build_s`` seconds of set-up,
+  then the loader built and iterated: its first batch, timed from
+  construction;
 * ``short-epochs``: persistent workers, epochs of 16 batches of 64
   images of 3x64x64 made from a seed (a little work per sample): the median
   time of epochs 2 to 6, from ``iter()`` to the epoch's last batch (the
@@ -78,7 +85,7 @@ HEAVY_MODULE = textwrap.dedent("""
 """)
 
 SCRIPT = textwrap.dedent("""
-    import json, statistics, sys, time
+    import gc, json, statistics, sys, time
     import torch
     from torch import nn
     from torch.utils.data import DataLoader
@@ -101,6 +108,8 @@ SCRIPT = textwrap.dedent("""
 
     def main():
         what, mode, workers, build_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+        if what == "import-top" and mode == "fastload":
+            import fastload  # at the script's top, as a user's script has it
         out = {}
         if what == "cold":
             t0 = time.perf_counter()
@@ -130,6 +139,27 @@ SCRIPT = textwrap.dedent("""
             out["s"] = time.perf_counter() - t0
             for _ in it:
                 pass
+        elif what == "later":
+            train = make(mode, 64 * 8, workers)
+            for _ in train:
+                pass
+            del train
+            gc.collect()
+            t0 = time.perf_counter()
+            val = make(mode, 64 * 4, workers)
+            it = first_batch(val)
+            out["s"] = time.perf_counter() - t0
+            for _ in it:
+                pass
+        elif what == "import-top":
+            t_build = time.perf_counter()
+            layers = []
+            while time.perf_counter() - t_build < build_s:
+                layers.append(nn.Linear(512, 512))
+            t0 = time.perf_counter()
+            loader = make(mode, 64 * 8, workers)
+            it = first_batch(loader)
+            out["s"] = time.perf_counter() - t0
         elif what == "short-epochs":
             loader = make(mode, 64 * 16, workers, persistent_workers=True, shuffle=True)
             times = []
@@ -148,12 +178,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 MODES = ("fork", "spawn", "fastload")
-MEASURES = ("cold", "after-build", "heavy-import", "second", "short-epochs")
+MEASURES = ("cold", "after-build", "heavy-import", "second", "later", "import-top",
+            "short-epochs")
 LABELS = {
     "cold": "built just before iter(): 1st batch from construction",
     "after-build": "built, model built, iter(): 1st batch from iter()",
     "heavy-import": "the same, dataset's module takes 1 s to import",
     "second": "2nd loader (4 workers) after an epoch: 1st batch",
+    "later": "a loader after the 1st ran and was dropped: 1st batch",
+    "import-top": "script: import at top, set-up, loader: 1st batch",
     "short-epochs": "persistent, 16-batch epochs: epoch time",
 }
 
