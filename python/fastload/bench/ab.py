@@ -182,6 +182,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", default=None,
                    choices=["spawn", "forkserver", "fork"],
                    help="multiprocessing_context (default: none, fastload's zygote)")
+    p.add_argument("--neighbours", type=int, default=0,
+                   help="busy-looping processes beside each run (default 0), as a machine "
+                        "shared with other people's work: an epoch's start-up then reaches "
+                        "further into the window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", default=None, help="also write the figures here")
     return p
@@ -203,7 +207,8 @@ def _specs(a: argparse.Namespace, sides: Sequence[Side], cache: str) -> List[Tup
                     "batch_size": bs, "workers": a.workers, "seed": a.seed,
                     "short_batches": QUICK["short_batches"] * a.workers, "warmup": a.warmup,
                     "seconds": a.seconds, "min_batches": a.min_batches,
-                    "max_seconds": MAX_STEADY * a.seconds, "gap": 0.0, "neighbours": 0,
+                    "max_seconds": MAX_STEADY * a.seconds, "gap": 0.0,
+                    "neighbours": a.neighbours,
                     "start_method": a.start_method, "cache": cache,
                     "sys_path": sides[s].sys_path}))
     return plan
