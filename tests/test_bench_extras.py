@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import pytest
 
-from fastload.bench import copy_on_read, first_epoch, first_minutes, h2d, short_epochs
+from fastload.bench import copy_on_read, first_epoch, first_minutes, h2d, import_cost, short_epochs
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:This DataLoader will create .* worker processes in total")
@@ -82,8 +82,20 @@ def test_first_minutes_times_every_loader_and_a_second_loader_starts_warm():
         assert all(v > 0 for v in res["median"][what].values()), (what, res["median"][what])
     second = res["median"]["second"]
     assert second["fastload"] < 0.5 * second["spawn"], second
+    later = res["median"]["later"]  # the first loader is gone; the fork server is not
+    assert later["fastload"] < 0.5 * later["spawn"], later
     text = first_minutes.report_lines(res)
     assert all(first_minutes.LABELS[w] in text for w in first_minutes.MEASURES)
+
+
+@pytest.mark.slow
+def test_import_cost_runs_a_script_with_and_without_the_server_started_at_import():
+    """The server starts at the script's import of fastload, and not with
+    FASTLOAD_SERVER_AT_IMPORT=0; the table names both."""
+    res = import_cost.measure_import_cost(rounds=1, setups=[0.5])
+    (run,), (none,) = res["runs"]["0.5"]["server"], res["runs"]["0.5"]["none"]
+    assert run["server_cpu_s"] > 0 and none["server_cpu_s"] == 0
+    assert "FASTLOAD_SERVER_AT_IMPORT=0" in import_cost.report_lines(res)
 
 
 @pytest.mark.slow
