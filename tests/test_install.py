@@ -511,6 +511,7 @@ def _zygote_pids() -> set:
 def test_install_starts_the_zygote_that_the_first_loader_takes() -> None:
     """install() starts the zygote at once (it imports torch while the script
     builds its model); the first loader forks its workers from that one."""
+    fastload.shutdown()  # none running (this process's import, or an earlier test, started one)
     fastload.install()
     started = _zygote_pids()
     assert len(started) == 1
@@ -529,6 +530,7 @@ def test_uninstall_lets_go_of_the_fork_server_which_runs_until_shutdown() -> Non
     from fastload.launching.lineage import fork_server_pid
     from support.processes import pid_alive, wait_pids_gone
 
+    fastload.shutdown()  # none running (this process's import, or an earlier test, started one)
     fastload.install()
     (pid,) = _zygote_pids()
     fastload.uninstall()

@@ -312,7 +312,8 @@ def _fork(ctl: socket.socket, fds: List[int], children: Dict[int, int],
 
 def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
     """In a zygote forked from the fork server: drop the server's sockets and
-    children, then serve the control socket in ``fds[0]`` (``fds[1]``: a
+    children, take the training process's stdout and stderr (``fds[2:4]``,
+    if sent), then serve the control socket in ``fds[0]`` (``fds[1]``: a
     death note it does not need); never returns."""
     global _preloaded
     code = 1
@@ -320,6 +321,9 @@ def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[in
         ctl.close()
         for pfd in children:
             os.close(pfd)
+        for fd, std in zip(fds[2:4], (1, 2)):
+            os.dup2(fd, std)
+            os.close(fd)
         os.close(fds[1])
         _preloaded = None  # (an import taint of the server's is inherited, and told)
         _serve(socket.socket(fileno=fds[0]))

@@ -45,6 +45,18 @@ __all__ = ["Zygote", "ZYGOTE_PRELOAD"]
 ZYGOTE_PRELOAD = ("torch", "fastload.worker")
 
 
+def _std_streams() -> List[int]:
+    """This process's stdout and stderr fds as they are now (both, or none
+    if either is closed), for a zygote forked from a server started
+    earlier: its workers write where this process writes now."""
+    try:
+        os.fstat(1)
+        os.fstat(2)
+    except OSError:
+        return []
+    return [1, 2]
+
+
 class Zygote:
     """A fork server of fastload's own: a process that has imported torch
     and forks a worker per :meth:`start` request.
@@ -123,7 +135,8 @@ class Zygote:
 
     def fork_zygote(self, wait: bool = True) -> "Zygote":
         """A new zygote forked from this one: it shares the modules this one
-        imported and holds no session; its parent (this one) reaps it.
+        imported and holds no session, and takes this process's stdout and
+        stderr as they are now; its parent (this one) reaps it.
         Requests may be sent to it at once (its control socket holds them
         until it runs). ``wait``: wait for this one to fork it (which waits
         for this one to be ready, Ctrl-C interrupting the wait); else the
@@ -134,7 +147,8 @@ class Zygote:
             with self._lock:
                 if not self.alive:
                     raise RuntimeError("fastload: the fork server is gone")
-                socket.send_fds(self._ctl, [ZYGOTE_REQ], [theirs.fileno(), note_w])
+                socket.send_fds(self._ctl, [ZYGOTE_REQ],
+                                [theirs.fileno(), note_w, *_std_streams()])
                 ticket = self._sent
                 self._sent += 1
                 theirs.close()

@@ -19,8 +19,12 @@ here:
   starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
   why, as text of at most :data:`WHY_MAX` bytes.
 * **Zygote** (main → fork server): :data:`ZYGOTE_REQ` with, by
-  ``SCM_RIGHTS``, one end of a new control socket and a death-note write
-  end. The server forks; the child drops the server's sockets and serves
+  ``SCM_RIGHTS``, one end of a new control socket, a death-note write end
+  and, where the training process has them open, its stdout and stderr
+  (the server was started earlier, maybe before the script redirected
+  them). The server forks; the child takes those as its stdout and stderr
+  (its workers write where the training process does, as DataLoader's
+  do), drops the server's sockets and serves
   the new socket as a zygote of its own (it shares everything the server
   imported, and holds no session); the server answers :data:`STARTED`
   with its pid, and reports its exit like a worker's.
