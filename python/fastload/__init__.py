@@ -11,11 +11,12 @@ environment) runs every DataLoader with workers on fastload.
 
 from .errors import WorkerHangError
 from .install import install, installed, uninstall
+from .launching.references import SharedSequence, share
 from .loader import FastLoader, stats
 from .loader_stats import LoaderStats, Percentiles, SlowBatch
 
-__all__ = ["FastLoader", "LoaderStats", "Percentiles", "SlowBatch", "WorkerHangError", "install",
-           "installed", "stats", "uninstall", "__version__"]
+__all__ = ["FastLoader", "LoaderStats", "Percentiles", "SharedSequence", "SlowBatch",
+           "WorkerHangError", "install", "installed", "share", "stats", "uninstall", "__version__"]
 # The one place the version is written: pyproject.toml reads it from here
 # ([tool.scikit-build.metadata.version]) for the wheel's metadata.
 __version__ = "0.1.0"
