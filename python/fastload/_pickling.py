@@ -120,23 +120,24 @@ def _reopenable_file(f: Any) -> Optional[Tuple[Any, Tuple[Any, ...]]]:
     raw = f
     while hasattr(raw, "buffer") or hasattr(raw, "raw"):
         raw = getattr(raw, "buffer", None) or getattr(raw, "raw")
-    if not isinstance(raw, io.FileIO) or not isinstance(raw.name, str):
-        return None
+    if not isinstance(raw, io.FileIO) or not isinstance(raw.name, (str, bytes, os.PathLike)):
+        return None  # (an int name: opened from an fd)
+    path = os.fsdecode(raw.name)
     try:
         if f.closed or not f.readable() or f.writable():
             return None
         st = os.fstat(raw.fileno())
-        if not stat.S_ISREG(st.st_mode) or _identity(os.stat(raw.name)) != _identity(st):
+        if not stat.S_ISREG(st.st_mode) or _identity(os.stat(path)) != _identity(st):
             return None
         position = f.tell()
     except (OSError, ValueError):
         return None
     if isinstance(f, io.TextIOWrapper):
-        return _reopen_file, (raw.name, "text", position, _identity(st), f.encoding, f.errors)
+        return _reopen_file, (path, "text", position, _identity(st), f.encoding, f.errors)
     if isinstance(f, io.BufferedReader):
-        return _reopen_file, (raw.name, "buffered", position, _identity(st), None, None)
+        return _reopen_file, (path, "buffered", position, _identity(st), None, None)
     if f is raw:
-        return _reopen_file, (raw.name, "raw", position, _identity(st), None, None)
+        return _reopen_file, (path, "raw", position, _identity(st), None, None)
     return None
 
 
