@@ -562,18 +562,21 @@ def _map_array(path: str, first: int, nbytes: int, skip: int, dtype: Any, shape:
                strides: Tuple[int, ...], mode: str, memmap: bool, offset: int,
                identity: Tuple[int, int]) -> Any:
     """A file-mapped array on the receiving side: the same bytes of the
-    same file, mapped again (``mode`` as numpy's memmap has it)."""
+    same file, mapped again (``mode`` as numpy's memmap has it: ``'r+'``
+    shared and writable, ``'c'`` private, ``'r'`` read-only). Mapped through
+    torch's ``from_file``, which keeps no fd open: a zygote holding it stays
+    one that workers may be forked from."""
     import numpy as np
     st = os.stat(path)
     if (st.st_dev, st.st_ino) != identity:
         raise RuntimeError(f"fastload: {path} was replaced since the dataset mapped it; "
                            "the workers cannot map the same file")
-    start = first - first % _PAGE
-    base = np.memmap(path, dtype=np.uint8, mode=mode, offset=start, shape=(first - start + nbytes,))
-    arr = np.ndarray(shape, dtype, buffer=base, offset=first - start + skip, strides=strides)
+    storage = torch.UntypedStorage.from_file(path, mode == "r+", first + nbytes)
+    whole = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()
+    arr = np.ndarray(shape, dtype, buffer=whole, offset=first + skip, strides=strides)
     if memmap:
         arr = arr.view(np.memmap)
-        arr._mmap, arr.filename, arr.offset, arr.mode = base._mmap, base.filename, offset, mode
+        arr.filename, arr.offset, arr.mode = os.path.abspath(path), offset, mode
     if mode == "r":
         arr.flags.writeable = False
     return arr
