@@ -13,8 +13,9 @@ GiB (the path list: 1.5M paths), makes a loader with 4 workers and
 batches of 64, while a thread samples the PSS of the whole process tree
 (this process and every descendant) every 0.25 s. It reports the tree's
 PSS peak, the first batch of each epoch (from ``iter()``) and the total.
-Loaders alternate (fork, spawn, fastload; then reversed); medians are
-reported, fastload's as ratios to DataLoader(fork)'s, beside the time one
+Loaders alternate (fork, spawn, fastload; then reversed; DataLoader(spawn),
+which pickles the data for every worker, runs in the first round only);
+medians are reported, fastload's as ratios to DataLoader(fork)'s, beside the time one
 copy of the data takes at the machine's memcpy rate.
 
 Run alone: ``python -m fastload.bench.held_data [--data-gib 2] [--rounds 3]
@@ -230,6 +231,8 @@ def measure_held_data(data_gib: float = 2.0, rounds: int = 3, workers: int = 4,
             runs[kind] = {m: [] for m in LOADERS}
             for r in range(rounds):
                 for loader in (LOADERS if r % 2 == 0 else LOADERS[::-1]):
+                    if loader == "spawn" and r > 0:
+                        continue  # one run: spawn pickles the data per worker, minutes at 2 GiB
                     spec = {"kind": kind, "loader": loader, "nbytes": nbytes, "where": where,
                             "workers": workers}
                     runs[kind][loader].append(run_fresh("fastload.bench.held_data", spec, f"held data {kind}", 1800))
