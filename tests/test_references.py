@@ -145,6 +145,22 @@ def test_a_tensor_that_views_numpy_memory_keeps_viewing_it() -> None:
     gc.collect()
 
 
+def test_a_tensor_loaded_with_mmap_is_mapped_again_from_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "weights.pt"
+    torch.save({"a": torch.arange(1 << 20, dtype=torch.float32),
+                "b": torch.arange(1 << 19, dtype=torch.int64)}, path)
+    loaded = torch.load(path, mmap=True)
+    parts = (loaded["b"][100:], loaded["a"][4:].view(-1, 7)[::2, 1:])
+    buffers = SharedBuffers()
+    parcel = crossing.pack(parts, "t", buffers=buffers)
+    assert len(parcel.data) < 4096 and buffers.nbytes == 0  # the file, not its bytes
+    got = crossing.unpack(parcel.data, [os.dup(fd) for fd in parcel.fds])
+    parcel.close()
+    buffers.close()
+    for x, y in zip(parts, got):
+        assert torch.equal(x, y) and x.dtype == y.dtype
+
+
 def test_parameters_and_requires_grad_survive_the_crossing() -> None:
     p = torch.nn.Parameter(torch.ones(1 << 20))
     g = torch.zeros(1 << 20, requires_grad=True)
@@ -229,6 +245,19 @@ def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "train.bin"
     np.arange(1 << 21, dtype=np.uint16).tofile(path)  # 4 MiB of tokens
     return path
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn"])
+def test_under_spawn_too_the_data_crosses_by_reference(ctx: Any) -> None:
+    """Spawned workers are sent the session each; the same references."""
+    tensor_ds, array_ds = TensorRows(), ArrayRows()
+    for ds in (tensor_ds, array_ds):
+        expected = _epochs(_fork(ds, batch_size=8))
+        loader = FastLoader(ds, batch_size=8, num_workers=NW, multiprocessing_context=ctx)
+        _same(_epochs(loader), expected)
+        del loader
+        gc.collect()
+    assert tensor_ds.data.is_shared()
 
 
 @pytest.mark.parametrize("mode", ["r", "c", "r+"])

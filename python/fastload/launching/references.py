@@ -225,6 +225,13 @@ def _tensor_by_reference(t: torch.Tensor, packing: "Packing") -> Any:
             packing.moves_left -= 1
             fd = move_to_shared(storage)
             log.debug("fastload: moved a %d-byte tensor storage into shared memory", nbytes)
+    if fd is None and not storage.is_shared() and not storage.resizable():
+        mapped = _mapped_storage(storage, t.element_size())
+        if mapped is not None:  # torch.load(mmap=True), torch.from_file: the file again
+            return _rebuild_tensor, (mapped, t.dtype, t.storage_offset() + mapped.first // t.element_size(),
+                                     tuple(t.size()),
+                                     tuple(t.stride()), t.requires_grad,
+                                     type(t) is torch.nn.Parameter)
     if fd is not None:
         ref = packing.storages.get(fd)
         if ref is None:
@@ -239,6 +246,42 @@ def _tensor_by_reference(t: torch.Tensor, packing: "Packing") -> Any:
             ref = packing.memo[key] = _BufferStorage(packing.buffers.add(view))
     return _rebuild_tensor, (ref, t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()),
                              t.requires_grad, type(t) is torch.nn.Parameter)
+
+
+class _FileStorage:
+    """A storage that maps a file (``torch.load(..., mmap=True)``), sent as
+    the file: mapped again on the other side, from the file's start (the
+    storage begins ``first`` bytes in)."""
+
+    def __init__(self, path: str, first: int, nbytes: int, shared: bool,
+                 identity: Tuple[int, int]) -> None:
+        self.first = first
+        self.args = (path, first + nbytes, shared, identity)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return _map_file_storage, self.args
+
+
+def _mapped_storage(storage: torch.UntypedStorage, itemsize: int) -> Optional[_FileStorage]:
+    """The file a storage's memory maps, unchanged by this process, or None."""
+    lo, nbytes = storage.data_ptr(), storage.nbytes()
+    found = _unchanged_file_mapping(lo, lo + nbytes)
+    if found is None:
+        return None
+    m, identity = found
+    first = m.offset + (lo - m.start)
+    if first % itemsize:
+        return None  # a storage offset in elements could not say where it starts
+    return _FileStorage(m.path, first, nbytes, m.perms[3] == "s" and "w" in m.perms, identity)
+
+
+def _map_file_storage(path: str, end: int, shared: bool,
+                      identity: Tuple[int, int]) -> torch.UntypedStorage:
+    st = os.stat(path)
+    if (st.st_dev, st.st_ino) != identity:
+        raise RuntimeError(f"fastload: {path} was replaced since the dataset mapped it; "
+                           "the workers cannot map the same file")
+    return torch.UntypedStorage.from_file(path, shared, end)
 
 
 class _BufferStorage:
@@ -506,19 +549,36 @@ def _span(arr: Any) -> Tuple[int, int]:
     return lo, hi + arr.itemsize
 
 
-def _file_of(arr: Any) -> Optional[Tuple[_Mapping, int]]:
+def _unchanged_file_mapping(lo: int, hi: int) -> Optional[Tuple[_Mapping, Tuple[int, int]]]:
+    """The mapping of a file that holds [lo, hi) of this process's memory,
+    and the file's identity, if its path still names that file and this
+    process has not written to a private mapping of it (its bytes would no
+    longer be the file's); else None."""
+    for m in _mappings():
+        if m.start <= lo and hi <= m.end:
+            break
+    else:
+        return None
+    if m.path.endswith(" (deleted)"):
+        return None
+    if m.perms[3] == "p" and "w" in m.perms and _private_pages_written(m):
+        return None
+    try:
+        st = os.stat(m.path)
+    except OSError:
+        return None
+    return (m, (st.st_dev, st.st_ino)) if st.st_ino == m.inode else None
+
+
+def _file_of(arr: Any) -> Optional[Tuple[_Mapping, Tuple[int, int]]]:
     """The file mapping an array lies in, if its memory comes from one
-    (its ``base`` chain ends in an ``mmap.mmap``), with its span's start."""
+    (its ``base`` chain ends in an ``mmap.mmap``) and is the file's."""
     base = arr
     while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
         base = base.base
     if not isinstance(base, mmap.mmap) and not isinstance(getattr(arr, "_mmap", None), mmap.mmap):
         return None
-    lo, hi = _span(arr)
-    for m in _mappings():
-        if m.start <= lo and hi <= m.end:
-            return m, lo
-    return None
+    return _unchanged_file_mapping(*_span(arr))
 
 
 def _array_by_reference(arr: Any, packing: "Packing") -> Any:
@@ -527,20 +587,14 @@ def _array_by_reference(arr: Any, packing: "Packing") -> Any:
         return NotImplemented
     found = _file_of(arr)
     if found is not None:
-        m, lo = found
+        m, identity = found
+        lo, hi = _span(arr)
         private = m.perms[3] == "p"
-        if not (private and "w" in m.perms and _private_pages_written(m)) and not m.path.endswith(" (deleted)"):
-            try:
-                st = os.stat(m.path)
-            except OSError:
-                st = None
-            if st is not None and st.st_ino == m.inode:
-                mode = "c" if private and "w" in m.perms else ("r+" if "w" in m.perms else "r")
-                _, hi = _span(arr)
-                first = m.offset + (lo - m.start)
-                return _map_array, (m.path, first, hi - lo, arr.ctypes.data - lo, arr.dtype,
-                                    arr.shape, arr.strides, mode, isinstance(arr, np.memmap),
-                                    getattr(arr, "offset", first), (st.st_dev, st.st_ino))
+        mode = "c" if private and "w" in m.perms else ("r+" if "w" in m.perms else "r")
+        first = m.offset + (lo - m.start)
+        return _map_array, (m.path, first, hi - lo, arr.ctypes.data - lo, arr.dtype,
+                            arr.shape, arr.strides, mode, isinstance(arr, np.memmap),
+                            getattr(arr, "offset", first), identity)
     shared = _shared_fd_of(arr)
     if shared is not None:
         fd, base_address = shared
