@@ -143,10 +143,22 @@ def _hf_on_disk(nbytes: int, where: str) -> str:
     path = os.path.join(where, f"hf_{nbytes}")
     if not os.path.exists(path):
         rows = nbytes // 1024
-        flat = pa.array(np.random.default_rng(0).integers(0, 255, rows * 1024, dtype=np.uint8))
+        flat = pa.array(_bytes(rows).reshape(-1))
         table = pa.table({"x": pa.FixedSizeListArray.from_arrays(flat, 1024)})
         datasets.Dataset(table).save_to_disk(path)
     return path
+
+
+def _bytes(rows: int) -> Any:
+    """``rows`` x 1024 random-looking bytes, made fast: a 1 MiB random
+    block repeated (the data's values do not matter here, its pages do)."""
+    import numpy as np
+    block = np.random.default_rng(0).integers(0, 255, (1024, 1024), dtype=np.uint8)
+    out = np.empty((rows, 1024), dtype=np.uint8)
+    for start in range(0, rows, 1024):
+        n = min(1024, rows - start)
+        out[start:start + n] = block[:n]
+    return out
 
 
 def _dataset(kind: str, nbytes: int, where: str) -> Any:
@@ -154,9 +166,9 @@ def _dataset(kind: str, nbytes: int, where: str) -> Any:
     import torch
     rows = nbytes // 1024
     if kind == "tensor":
-        return Rows(torch.randint(0, 255, (rows, 1024), dtype=torch.uint8))
+        return Rows(torch.from_numpy(_bytes(rows)).clone())  # torch's own memory, as torch.load's
     if kind in ("array", "shared_array"):
-        arr = np.random.default_rng(0).integers(0, 255, (rows, 1024), dtype=np.uint8)
+        arr = _bytes(rows)
         if kind == "shared_array":
             import fastload
             arr = fastload.share(arr)
@@ -164,7 +176,7 @@ def _dataset(kind: str, nbytes: int, where: str) -> Any:
     if kind == "memmap":
         path = os.path.join(where, f"tokens_{nbytes}.bin")
         if not os.path.exists(path):
-            np.random.default_rng(0).integers(0, 60000, rows * 512, dtype=np.uint16).tofile(path)
+            _bytes(rows).tofile(path)
         return Rows(np.memmap(path, dtype=np.uint16, mode="r").reshape(rows, 512))
     if kind == "hf_dataset":
         return HFRows(_hf_on_disk(nbytes, where))
