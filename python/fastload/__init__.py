@@ -19,11 +19,13 @@ from .errors import WorkerHangError
 from .install import install, installed, uninstall
 from .launching.lineage import shutdown
 from .launching.lineage import start_at_import as _start_at_import
+from .launching.references import SharedSequence, share
 from .loader import FastLoader, stats
 from .loader_stats import LoaderStats, Percentiles, SlowBatch
 
-__all__ = ["FastLoader", "LoaderStats", "Percentiles", "SlowBatch", "WorkerHangError", "install",
-           "installed", "shutdown", "stats", "uninstall", "__version__"]
+__all__ = ["FastLoader", "LoaderStats", "Percentiles", "SharedSequence", "SlowBatch",
+           "WorkerHangError", "install", "installed", "share", "shutdown", "stats", "uninstall",
+           "__version__"]
 # The one place the version is written: pyproject.toml reads it from here
 # ([tool.scikit-build.metadata.version]) for the wheel's metadata.
 __version__ = "0.1.0"

@@ -10,8 +10,17 @@ One exception to cloudpickle's rules: open files. cloudpickle sends a file
 opened for reading as a copy of its *contents* and refuses one opened for
 writing with a ``PicklingError``; plain pickle (what DataLoader uses under
 spawn) refuses both with ``TypeError: cannot pickle '_io.TextIOWrapper'
-object``. We refuse them as plain pickle does: silently shipping a file's
-contents to every worker is not what a dataset holding a handle means.
+object``. Under fork (DataLoader's Linux default) a dataset may hold a file
+it opened in ``__init__``, so fastload sends what it can reopen as a
+reference: a regular file opened only for reading (``open(p, "rb")``,
+``open(p)``, ``io.FileIO``) is opened again by its path in the receiving
+process at the same position, and an ``h5py`` file, group or dataset of a
+file opened read-only is opened again by file name (h5py's documentation
+warns against using a file opened before fork). Each worker then has its own
+file offset; under fork they share one, and ``seek`` + ``read`` race. Any
+other open file (written to, a pipe, a socket) is refused as plain pickle
+refuses it: silently shipping a file's contents is not what a dataset
+holding a handle means.
 
 The training script counts as ``__main__`` under any name. In a process
 that ``multiprocessing`` started with spawn or forkserver (a DDP rank from
@@ -29,7 +38,9 @@ be sent, by its path from the top (``dataset.row_lock``), and the remedy.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 import sys
 import threading
 import types
@@ -85,10 +96,89 @@ class Pickler(cloudpickle.CloudPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
+            reopen = _reopenable_file(obj)
+            if reopen is not None:
+                return reopen
             # Raises plain pickle's TypeError for real files; BytesIO and
             # StringIO reduce fine and go on to pickle's usual path.
             obj.__reduce_ex__(_PROTOCOL)
+        h5py = sys.modules.get("h5py")
+        if h5py is not None and isinstance(obj, (h5py.File, h5py.Group, h5py.Dataset)):
+            reopen = _reopenable_h5(obj)
+            if reopen is not None:
+                return reopen
         return super().reducer_override(obj)
+
+
+def _identity(st: os.stat_result) -> Tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _reopenable_file(f: Any) -> Optional[Tuple[Any, Tuple[Any, ...]]]:
+    """How to open ``f`` again elsewhere, if it is a regular file opened
+    only for reading whose path still names it; else None."""
+    raw = f
+    while hasattr(raw, "buffer") or hasattr(raw, "raw"):
+        raw = getattr(raw, "buffer", None) or getattr(raw, "raw")
+    if not isinstance(raw, io.FileIO) or not isinstance(raw.name, (str, bytes, os.PathLike)):
+        return None  # (an int name: opened from an fd)
+    path = os.fsdecode(raw.name)
+    try:
+        if f.closed or not f.readable() or f.writable():
+            return None
+        st = os.fstat(raw.fileno())
+        if not stat.S_ISREG(st.st_mode) or _identity(os.stat(path)) != _identity(st):
+            return None
+        position = f.tell()
+    except (OSError, ValueError):
+        return None
+    if isinstance(f, io.TextIOWrapper):
+        return _reopen_file, (path, "text", position, _identity(st), f.encoding, f.errors)
+    if isinstance(f, io.BufferedReader):
+        return _reopen_file, (path, "buffered", position, _identity(st), None, None)
+    if f is raw:
+        return _reopen_file, (path, "raw", position, _identity(st), None, None)
+    return None
+
+
+def _reopen_file(path: str, kind: str, position: int, identity: Tuple[int, int],
+                 encoding: Optional[str], errors: Optional[str]) -> Any:
+    """A file the dataset held open for reading, opened again here at the
+    position it had (this process's own offset)."""
+    if kind == "text":
+        f: Any = open(path, "r", encoding=encoding, errors=errors)
+    elif kind == "buffered":
+        f = open(path, "rb")
+    else:
+        f = io.FileIO(path, "r")
+    try:
+        if _identity(os.fstat(f.fileno())) != identity:
+            raise RuntimeError(f"fastload: {path} is no longer the file the dataset opened "
+                               "(replaced since); workers cannot open it again")
+        f.seek(position)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _reopenable_h5(obj: Any) -> Optional[Tuple[Any, Tuple[Any, ...]]]:
+    """How to open an h5py file, group or dataset again elsewhere, if its
+    file is open read-only; else None (h5py's own error follows)."""
+    try:
+        f = obj.file
+        if f.mode != "r" or not f.id.valid:
+            return None
+        whole = isinstance(obj, sys.modules["h5py"].File)
+        return _reopen_h5, (f.filename, None if whole else obj.name)
+    except Exception:  # noqa: BLE001 - a closed or odd object: h5py says what it is
+        return None
+
+
+def _reopen_h5(filename: str, name: Optional[str]) -> Any:
+    import h5py
+    f = h5py.File(filename, "r")
+    return f if name is None else f[name]
 
 
 def _dumps(obj: Any) -> bytes:

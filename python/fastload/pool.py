@@ -192,9 +192,10 @@ class WorkerPool:
         epoch) are not waited for: their workers are killed and the slots
         freed. DataLoader shuts a dropped iterator's workers down too;
         waiting would cost the next epoch the queued batches, or all of a
-        stuck sample. The zygote lets go of the session it unpickled for the
-        workers: the next session sends the dataset anew, so between epochs
-        the zygote holds no copy."""
+        stuck sample. The zygote is told that the session it unpickled for
+        the workers is done; it keeps the objects only to spare the next
+        session its unpickling when that one is identical (the next epoch of
+        an unchanged dataset)."""
         if self._launcher != "zygote" or self._retired:
             return
         orphans = self.ledger.busy()

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import (auto_workers, copy_on_read, first_epoch, first_minutes, h2d, measure, report,
+from . import (auto_workers, copy_on_read, first_epoch, first_minutes, h2d, held_data, measure, report,
                resume_cost, stats_cost)
 from .evaluate import evaluate
 from .options import load_runs, select_workloads, settings
@@ -170,6 +170,10 @@ def _extras(a: argparse.Namespace, b: "_Bench") -> Dict[str, Any]:
     if "memory" in a.extras:
         got["copy_on_read"] = b.step("copy-on-read memory, 4 workers",
                                      lambda: copy_on_read.measure_copy_on_read(rounds=a.rounds))
+    if "held-data" in a.extras:
+        got["held_data"] = b.step(
+            f"datasets that hold their data, {a.data_gib:g} GiB, 4 workers",
+            lambda: held_data.measure_held_data(data_gib=a.data_gib, rounds=a.rounds))
     if "first-epoch" in a.extras:
         got["first_epoch"] = b.step(
             "first epoch after a model build",
@@ -239,6 +243,8 @@ def run_benchmark(argv: Optional[List[str]] = None, out: Optional[TextIO] = None
     out.write(stats_cost.report_lines(stats_costs, tiny.get("main_cpu_ms_per_batch") or 0.0))
     if "copy_on_read" in extras:
         out.write(copy_on_read.report_lines(extras["copy_on_read"]))
+    if "held_data" in extras:
+        out.write(held_data.report_lines(extras["held_data"]))
     if "first_epoch" in extras:
         out.write(first_epoch.report_lines(extras["first_epoch"]))
     if "first_minutes" in extras:

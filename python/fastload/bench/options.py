@@ -24,7 +24,7 @@ QUICK_WORKLOADS = ("transport_u8", "tiny")
 # busy-looping process per core running beside each run.
 UNDER_LOAD = ("oversubscribed", "neighbour")
 # The tables after the main one (--extras); 'h2d' by default only with a GPU.
-EXTRAS = ("memory", "first-epoch", "first-minutes", "auto-workers", "h2d")
+EXTRAS = ("memory", "held-data", "first-epoch", "first-minutes", "auto-workers", "h2d")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,13 +71,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extras", metavar="TABLES", default=None,
                    help="tables after the main one, comma-separated: 'memory' (copy-on-read: the "
                         "workers' memory on a dataset of 1.5M Python strings, 4 workers, against "
-                        "DataLoader fork and spawn), 'first-epoch' (a training-like script's first "
+                        "DataLoader fork and spawn), 'held-data' (datasets that hold their data: a "
+                        "tensor, an array, a memmap, a Hugging Face dataset and path lists of "
+                        "--data-gib GiB; the process tree's peak memory and each epoch's first "
+                        "batch, against DataLoader fork and spawn), "
+                        "'first-epoch' (a training-like script's first "
                         "epoch), 'first-minutes' (the first batch of a loader built just before iter(), "
                         "after a model build, with a slow-to-import dataset module, of a second "
                         "loader, and short epochs; 8 workers, against DataLoader fork and spawn), "
                         "'h2d' (host to device: the pinned ring against DataLoader's "
                         "pin_memory; needs a CUDA or ROCm device) or 'none' (default: all, 'h2d' "
                         "where a device is present; none with --quick or --dataset)")
+    p.add_argument("--data-gib", type=float, default=2.0,
+                   help="size of each dataset of the held-data table, GiB (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loaders' generator (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"one short round of {' and '.join(QUICK_WORKLOADS)} (unless --workloads): "

@@ -23,23 +23,27 @@ zygote, a worker).
 3. ``child`` (main): :class:`~fastload.launching.child.Child`, the handle
    on a worker fastload started; it quacks like ``multiprocessing.Process``
    and quotes the worker's death note.
-4. ``crossing`` (both): objects pickled for another process, with the fds
+4. ``references`` (both): what fork would share, sent by reference: big
+   tensors moved once into a memfd, memory-mapped arrays mapped again from
+   their files, other big buffers copied once per loader; each mapped
+   copy-on-write on the other side. Also ``fastload.share``.
+5. ``crossing`` (both): objects pickled for another process, with the fds
    of what stays shared (DataLoader's sharing semantics); a session's
    bytes in a memfd; packing a loader's session for its start method.
-5. ``entry`` (child): what every child runs first: set up as its parent
+6. ``entry`` (child): what every child runs first: set up as its parent
    asked, call its entry point, leave a death note if that fails.
-6. ``zygote`` (child): the zygote process (the fork server is one): its
+7. ``zygote`` (child): the zygote process (the fork server is one): its
    serve loop, forking workers and zygotes, preloading a session, importing
    a loader's modules ahead.
-7. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
+8. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
    the header from a pipe, then become a zygote or run a worker.
-8. ``spawn`` (main): starting a fresh interpreter that never runs
+9. ``spawn`` (main): starting a fresh interpreter that never runs
    ``__main__`` (real spawn), and what every such start shares: the
    header, the environment, a process group of the child's own.
-9. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
+10. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
    a zygote as the main process sees it: started as a fresh interpreter,
    asked to fork workers and zygotes, to preload a session, to stop.
-10. ``lineage`` (main): the training process's fork servers (started at
+11. ``lineage`` (main): the training process's fork servers (started at
     ``import fastload`` or by the first loader, ending with the process or
     ``fastload.shutdown()``) and the loaders' leases on them, and
     :class:`~fastload.launching.lineage.Lineage`, the zygotes one pool

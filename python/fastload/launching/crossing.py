@@ -12,10 +12,13 @@ worker_init_fn, ...)``. The rules are DataLoader's sharing semantics:
   through (``multiprocessing.reduction.ForkingPickler``'s table, which
   torch extends); their file descriptors travel beside the bytes, with
   ``SCM_RIGHTS`` or as inherited fds, and are handed back on unpickling.
-* Tensors *not* in shared memory are copied, as a forked DataLoader worker
-  sees a copy. (A spawned DataLoader worker would move them into
-  ``/dev/shm`` first; fastload does not, so a big tensor in a dataset never
-  meets a small ``/dev/shm``.)
+* What fork would share without copying crosses by reference
+  (:mod:`fastload.launching.references`): a big tensor is moved once into
+  a memfd (as a spawned DataLoader worker's would be moved into
+  ``/dev/shm``, which fastload never uses), a memory-mapped array is mapped
+  again from its file, other big buffers are copied once per loader into
+  memfds; the receiving side maps them copy-on-write. Small tensors and
+  arrays are copied, as a forked DataLoader worker sees a copy.
 * What plain pickle cannot name (classes and functions of ``__main__``,
   lambdas, closures) travels by value (cloudpickle), so workers never need
   to import the training script.
@@ -50,6 +53,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch  # noqa: F401 - registers torch.multiprocessing's reducers (_sharing_table)
 
 from .. import _pickling
+from . import references
+from .references import Packing, SharedBuffers
 from ..errors import add_note
 from .start_methods import default_context, launcher_of
 
@@ -159,29 +164,60 @@ def _sharing_table() -> Dict[type, Callable[[Any], Any]]:
 
 class _SharingPickler(_pickling.Pickler):
     """cloudpickle (by value where plain pickle cannot name), with the
-    sharing reducers above taking precedence over copying."""
+    sharing reducers above taking precedence over copying, and what fork
+    would share sent by reference (``packing``)."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, packing: Packing) -> None:
         # Made anew each time: modules register their reducers when imported
         # (multiprocessing.heap's for Value/Array, say). Set before the base
         # __init__: the C pickler reads its table there.
         self.dispatch_table = ChainMap(_sharing_table(), _pickling.Pickler.dispatch_table)
-        super().__init__(file, protocol=_PROTOCOL)
+        self._packing = packing
+        super().__init__(file, protocol=_PROTOCOL, buffer_callback=packing.buffer_callback)
+
+    def reducer_override(self, obj: Any) -> Any:
+        rv = references.reduce_by_reference(obj, self._packing)
+        if rv is not NotImplemented:
+            return rv
+        return super().reducer_override(obj)
 
 
-def pack(obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> Parcel:
+class _WithBuffers:
+    """A pickle whose big pickle-5 buffers went out of band, and where their
+    copies are (unpickled with them, as ``pickle.loads(data, buffers=...)``)."""
+
+    def __init__(self, data: bytes, buffers: List[Any]) -> None:
+        self.data, self.buffers = data, buffers
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return _load_with_buffers, (self.data, self.buffers)
+
+
+def _load_with_buffers(data: bytes, buffers: List[memoryview]) -> Any:
+    return pickle.loads(data, buffers=buffers)
+
+
+def pack(obj: Any, what: str, names: Sequence[Optional[str]] = (),
+         buffers: Optional[SharedBuffers] = None) -> Parcel:
     """Pickle ``obj`` for a worker process (main process side).
 
     Errors name ``what`` (and, for a tuple, which of its ``names`` cannot be
     sent). Raises :class:`ForkOnlyError` when ``obj`` holds something only
-    ``fork`` can hand over.
+    ``fork`` can hand over. ``buffers``: where big arrays and buffers are
+    copied once, to cross by reference (without it they cross as bytes).
     """
     collector = _FdCollector()
+    packing = Packing(buffers)
+    if buffers is not None:
+        buffers.begin()
     mp_context.set_spawning_popen(collector)
     try:
         buf = io.BytesIO()
         try:
-            _SharingPickler(buf).dump(obj)
+            _SharingPickler(buf, packing).dump(obj)
+            if packing.out_of_band:
+                inner, buf = buf.getvalue(), io.BytesIO()
+                _SharingPickler(buf, packing).dump(_WithBuffers(inner, packing.out_of_band))
         except RuntimeError as e:
             if "fork context" in str(e):  # multiprocessing's SemLock.__getstate__
                 raise ForkOnlyError(str(e)) from e
@@ -190,8 +226,12 @@ def pack(obj: Any, what: str, names: Sequence[Optional[str]] = ()) -> Parcel:
         except Exception as e:  # pickling errors come as many types
             _pickling.explain(e, obj, what, names)
             raise
+        if buffers is not None:
+            buffers.finish()
         return Parcel(buf.getvalue(), collector.fds)
     except BaseException:
+        if buffers is not None:
+            buffers.abort()
         for fd in collector.fds:
             os.close(fd)
         raise
@@ -257,7 +297,8 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
         return None, ctx, payload
     try:
         return pack(payload, "dataset, collate_fn and worker_init_fn",
-                    names=(None, "dataset", "collate_fn", "worker_init_fn")), ctx, None
+                    names=(None, "dataset", "collate_fn", "worker_init_fn"),
+                    buffers=state.buffers), ctx, None
     except ForkOnlyError as e:
         if ctx != default_context():
             add_note(e, "fastload: create it from the loader's start method, e.g. "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
+import hashlib
 import multiprocessing
 import os
 import pickle
@@ -46,6 +47,10 @@ __all__ = ["serve", "preloaded"]
 # In a zygote: the session it preloaded, (token, objects); inherited by the
 # workers it forks. None when it holds none.
 _preloaded: Optional[Tuple[int, Any]] = None
+# In a zygote: the digest of the bytes and the identities of the fds of the session it
+# holds (or held, until its workers were retired), and that session's objects:
+# an identical session sent next is not unpickled again (see _preload).
+_last: Optional[Tuple[bytes, List[Tuple[int, int]], Any]] = None
 # In a zygote: why it is no longer safe to fork from after an import request
 # ("" while it is), answered to its next preload.
 _import_taint = ""
@@ -99,9 +104,29 @@ def _tainted_by(threads_before: int, cause: str = "unpickling the session") -> s
 
 def _forget() -> None:
     """In the zygote: drop the session held, its memory back to the system."""
-    global _preloaded
-    _preloaded = None  # the last session's objects go, but for reference cycles:
+    global _preloaded, _last
+    _preloaded = _last = None  # the last session's objects go, but for reference cycles:
     gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
+
+
+def _retire() -> None:
+    """In the zygote: the workers of the session held are retired; no
+    worker is forked with it again. Its objects are kept, unused, in case
+    the next session is the same (the next epoch of an unchanged dataset):
+    it then costs no unpickling (a dataset that reopens files or builds
+    indexes in ``__setstate__`` pays that at every epoch otherwise)."""
+    global _preloaded
+    _preloaded = None
+
+
+def _identities(fds: List[int]) -> List[Tuple[int, int]]:
+    """What each fd refers to: the same memfd or file sent again (a dataset's
+    tensors, its buffers' copies) has the same identity."""
+    out = []
+    for fd in fds:
+        st = os.fstat(fd)
+        out.append((st.st_dev, st.st_ino))
+    return out
 
 
 def _preload(head: Dict[str, Any], fds: List[int],
@@ -112,16 +137,26 @@ def _preload(head: Dict[str, Any], fds: List[int],
     fastload.launching.zygote_client.Zygote.preload).
     ``starting`` is called as unpickling starts (the caller's time limit
     starts then)."""
-    global _preloaded
-    _forget()
-    gc.freeze()  # what stays (modules the last session imported) stays for good
+    global _preloaded, _last
     shared = fds[1:]
     try:
         data = crossing.read_memfd(fds[0])
+        identities = _identities(shared)
     except BaseException as e:  # noqa: BLE001
         for fd in shared:
             os.close(fd)
+        _forget()
         return DECLINED, f"reading the session failed: {e}", []
+    digest = hashlib.blake2b(data).digest()
+    if _last is not None and _last[0] == digest and _last[1] == identities:
+        # The same bytes referring to the same shared memory and files: the
+        # same objects, unpickled already.
+        for fd in shared:
+            os.close(fd)
+        _preloaded = (head["token"], _last[2])
+        return PRELOADED, "", []
+    _forget()
+    gc.freeze()  # what stays (modules the last session imported) stays for good
     outcome, why = DECLINED, ""
     imports: List[str] = []
     try:
@@ -142,6 +177,7 @@ def _preload(head: Dict[str, Any], fds: List[int],
                 why = f"unpickling the session opened {', '.join(opened[:4])}"
             else:
                 _preloaded = (head["token"], session)
+                _last = (digest, identities, session)
                 outcome = PRELOADED
         del session
     except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
@@ -207,7 +243,7 @@ def _serve(ctl: socket.socket) -> None:
             if msg[:1] == PRELOAD_REQ:
                 _answer_preload(ctl, msg, fds)
             elif msg == FORGET_REQ:
-                _forget()
+                _retire()
             elif msg[:1] == IMPORT_REQ:
                 _import(msg)
             elif msg == ZYGOTE_REQ:
@@ -315,7 +351,7 @@ def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[in
     children, take the training process's stdout and stderr (``fds[2:4]``,
     if sent), then serve the control socket in ``fds[0]`` (``fds[1]``: a
     death note it does not need); never returns."""
-    global _preloaded
+    global _preloaded, _last
     code = 1
     try:
         ctl.close()
@@ -325,7 +361,7 @@ def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[in
             os.dup2(fd, std)
             os.close(fd)
         os.close(fds[1])
-        _preloaded = None  # (an import taint of the server's is inherited, and told)
+        _preloaded = _last = None  # (an import taint of the server's is inherited, and told)
         _serve(socket.socket(fileno=fds[0]))
         code = 0
     except BaseException:  # noqa: BLE001 - shown on stderr; the main side sees the exit

@@ -317,7 +317,9 @@ class Zygote:
                 os.close(fds[0])
 
     def forget(self) -> None:
-        """Have the zygote drop the session it holds (it does not answer)."""
+        """Tell the zygote that no worker will be forked with its session
+        again (it does not answer). It keeps the session's objects unused, so
+        that the next session, if identical, is not unpickled again."""
         with self._lock:
             if self.alive and os.getpid() == self._owner_pid:
                 try:
