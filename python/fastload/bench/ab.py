@@ -252,8 +252,8 @@ def _fmt(fmt: str, v: Optional[float]) -> str:
 def report(summary: Dict[str, Any], sides: Sequence[Side], out: TextIO) -> None:
     """The A/B table: per workload and metric, medians, ratio and its range, rounds."""
     a, b = sides[0].label, sides[1].label
-    w0 = max(len(a), len(b), 10)
-    out.write(f"\nA = {a}    B = {b}    ratio = A/B per round (median, min-max)\n")
+    w0 = 12
+    out.write(f"\nA = {a}\nB = {b}\nratio = A/B per round (median, min-max)\n")
     for name, row in summary.items():
         out.write(f"\n{name}\n")
         out.write(f"  {'':<22} {'A median':>{w0}} {'B median':>{w0}}   ratio A/B\n")
