@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,10 +51,12 @@ BATCHES, BATCH = 40, 64
 _SHARED_PREFIXES = ("/memfd:", "/dev/shm/", "/SYSV")
 
 
-def _tree_pids(root: int) -> List[int]:
+def _tree_pids(root: int, skip: int = -1) -> List[int]:
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
+        if pid == skip:
+            continue
         out.append(pid)
         try:
             for tid in os.listdir(f"/proc/{pid}/task"):
@@ -64,7 +67,7 @@ def _tree_pids(root: int) -> List[int]:
     return out
 
 
-def _tree_memory(root: int) -> int:
+def _tree_memory(root: int, skip: int = -1) -> int:
     """The memory the process tree under ``root`` holds, in bytes: the PSS
     of its private and file-backed pages, plus each shared-memory object
     (memfd, ``/dev/shm``) it maps or holds an fd of, counted once at its
@@ -72,7 +75,7 @@ def _tree_memory(root: int) -> int:
     touched (a buffer's copy that workers map but read little of) and split
     the rest by who touched it."""
     total, shared = 0, {}
-    for pid in _tree_pids(root):
+    for pid in _tree_pids(root, skip):
         try:
             with open(f"/proc/{pid}/smaps") as f:
                 in_shared, span = False, ""
@@ -104,24 +107,43 @@ def _tree_memory(root: int) -> int:
 
 
 class _PeakSampler:
-    def __init__(self, period: float = 0.25) -> None:
-        self.peak, self._stop, self._period = 0, threading.Event(), period
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    """Samples the tree's memory every ``period`` s from a process of its
+    own (a thread here would be one more Python thread in the measured
+    process, which changes how fastload moves a tensor: see
+    fastload.launching.references.move_to_shared)."""
 
-    def _run(self) -> None:
-        me = os.getpid()
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _tree_memory(me))
-            self._stop.wait(self._period)
+    def __init__(self, period: float = 0.25) -> None:
+        self.peak, self._period = 0, period
+        self._proc: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "_PeakSampler":
-        self._thread.start()
+        code = ("import sys; from fastload.bench.held_data import sample_until_stdin_closes; "
+                f"sample_until_stdin_closes({os.getpid()}, {self._period})")
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _tree_memory(os.getpid()))
+        assert self._proc is not None
+        out, _ = self._proc.communicate("")
+        self.peak = int(out.strip().splitlines()[-1])
+
+
+def sample_until_stdin_closes(root: int, period: float) -> None:
+    """The sampler process: the peak of ``_tree_memory(root)`` (itself left
+    out) until its stdin closes, printed."""
+    me, peak, done = os.getpid(), 0, threading.Event()
+
+    def wait_stdin() -> None:
+        sys.stdin.read()
+        done.set()
+
+    threading.Thread(target=wait_stdin, daemon=True).start()
+    while True:
+        peak = max(peak, _tree_memory(root, skip=me))
+        if done.wait(period):
+            break
+    print(max(peak, _tree_memory(root, skip=me)), flush=True)
 
 
 class Rows:
