@@ -200,7 +200,6 @@ def _hf_on_disk(nbytes: int, where: str) -> str:
     """A Hugging Face dataset of ``nbytes`` of uint8 rows of 1024, saved
     under ``where`` (made once per measure)."""
     import datasets
-    import numpy as np
     import pyarrow as pa
     path = os.path.join(where, f"hf_{nbytes}")
     if not os.path.exists(path):

@@ -42,7 +42,6 @@ costs more than it saves there.
 
 from __future__ import annotations
 
-import bisect
 import collections.abc
 import dataclasses
 import logging
@@ -55,7 +54,7 @@ import threading
 import warnings
 import weakref
 from multiprocessing import reduction
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, overload
 
 import torch
 
