@@ -11,7 +11,6 @@ import ctypes
 import gc
 import os
 import statistics
-import time
 import tracemalloc
 
 import psutil

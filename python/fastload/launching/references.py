@@ -42,7 +42,6 @@ costs more than it saves there.
 
 from __future__ import annotations
 
-import bisect
 import collections.abc
 import dataclasses
 import logging
@@ -51,10 +50,11 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import warnings
 import weakref
 from multiprocessing import reduction
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, overload
 
 import torch
 
@@ -148,19 +148,49 @@ def _storage_fd(storage: torch.UntypedStorage) -> Optional[int]:
     return fd if target.startswith(f"/memfd:{_MEMFD_NAME}") else None
 
 
+def _resizable(storage: torch.UntypedStorage) -> bool:
+    """Whether torch allocated the storage's memory itself (not numpy's,
+    a file mapping's or a buffer's). Torch before 2.2 cannot say: False."""
+    resizable = getattr(storage, "resizable", None)
+    return bool(resizable()) if resizable is not None else False
+
+
 def _movable(storage: torch.UntypedStorage) -> bool:
-    """Whether the storage's memory is torch's own (so it can be swapped
-    for a memfd's without un-aliasing anything that views it)."""
-    return (storage.resizable() and hasattr(storage, "_swap_data_ptr_")
+    """Whether the storage's memory is torch's own and this torch can swap
+    it for a memfd's in place (``_swap_data_ptr_``: torch 2.13 and 2.15 have
+    it, 2.11 and 2.1 do not), without un-aliasing anything that views it."""
+    return (_resizable(storage) and hasattr(storage, "_swap_data_ptr_")
             and hasattr(torch.UntypedStorage, "_new_shared_fd_cpu"))
+
+
+_MOVE_CHUNK = 64 << 20  # bytes copied between releases of the old pages
+_MADV_DONTNEED = 4
+
+
+def _release_pages(address: int, nbytes: int) -> None:
+    """Give the whole pages inside [address, address + nbytes) back to the
+    system (they read as zeros from now on)."""
+    import ctypes
+    lo = -(-address // _PAGE) * _PAGE
+    hi = (address + nbytes) // _PAGE * _PAGE
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(ctypes.c_void_p(lo), hi - lo, _MADV_DONTNEED)  # advice: failure only keeps pages
 
 
 def move_to_shared(storage: torch.UntypedStorage) -> int:
     """Move a CPU storage's bytes, in place, into a new memfd: every tensor
     viewing the storage keeps its values and now views shared memory.
     Returns the memfd (kept open by torch's mapping, closed when the storage
-    is freed). One copy of the bytes; while it runs the old and the new
-    memory both exist."""
+    is freed).
+
+    One copy of the bytes, made a chunk at a time. Where no other Python
+    thread runs (none can read the storage meanwhile), each chunk's old
+    pages are given back as soon as it is copied, so the move never holds
+    the data twice: a 20 GiB tensor needs 20 GiB and a chunk, not 40 GiB.
+    With other threads running, the old pages go only once the move is
+    done (a thread reading the tensor meanwhile must not see zeros)."""
     nbytes = storage.nbytes()
     fd = _memfd(_MEMFD_NAME, nbytes)
     try:
@@ -169,7 +199,15 @@ def move_to_shared(storage: torch.UntypedStorage) -> int:
         new = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
     finally:
         os.close(fd)  # the new storage holds its own duplicate
-    new.copy_(storage)
+    src = torch.empty((0,), dtype=torch.uint8).set_(storage)
+    dst = torch.empty((0,), dtype=torch.uint8).set_(new)
+    alone = threading.active_count() == 1
+    for start in range(0, nbytes, _MOVE_CHUNK):
+        end = min(nbytes, start + _MOVE_CHUNK)
+        dst[start:end].copy_(src[start:end])
+        if alone:
+            _release_pages(storage.data_ptr() + start, end - start)
+    del src, dst
     # Private: swaps the two storages' memory in place, as share_memory_()
     # does, so views, the tensor object and its autograd state all follow.
     storage._swap_data_ptr_(new)
@@ -225,7 +263,7 @@ def _tensor_by_reference(t: torch.Tensor, packing: "Packing") -> Any:
             packing.moves_left -= 1
             fd = move_to_shared(storage)
             log.debug("fastload: moved a %d-byte tensor storage into shared memory", nbytes)
-    if fd is None and not storage.is_shared() and not storage.resizable():
+    if fd is None and not storage.is_shared() and not _resizable(storage):
         mapped = _mapped_storage(storage, t.element_size())
         if mapped is not None:  # torch.load(mmap=True), torch.from_file: the file again
             return _rebuild_tensor, (mapped, t.dtype, t.storage_offset() + mapped.first // t.element_size(),
@@ -833,6 +871,10 @@ def share(obj: Any) -> Any:
             raise ValueError(f"fastload.share: only CPU tensors can be shared, not {obj.device}")
         storage = obj.untyped_storage()
         if not storage.is_shared():
+            if not hasattr(storage, "_swap_data_ptr_"):
+                raise RuntimeError(f"fastload.share: torch {torch.__version__} cannot move a tensor's "
+                                   "memory in place (it lacks UntypedStorage._swap_data_ptr_; torch "
+                                   "2.13 has it): share a numpy array instead")
             if not _movable(storage):
                 raise ValueError("fastload.share: this tensor's memory is not torch's own (made by "
                                  "torch.from_numpy or torch.frombuffer?): share the array instead")
