@@ -20,6 +20,7 @@ from torch.utils.data import (Dataset, DistributedSampler, IterableDataset, Samp
                               get_worker_info)
 
 from fastload import FastLoader
+from support import torch_versions
 
 # 3 workers on a 2-core machine: DataLoader's own warning, expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -251,6 +252,7 @@ def test_resumed_epoch_does_not_depend_on_the_global_generator(nw: int) -> None:
 
 
 @pytest.mark.heavy
+@torch_versions.needs_in_order
 def test_in_order_false_delivers_the_rest_as_a_multiset() -> None:
     torch.manual_seed(0)
     make = lambda: _make(Augmented(60), 3, in_order=False, prefetch_factor=2)  # noqa: E731

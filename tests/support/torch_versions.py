@@ -1,0 +1,54 @@
+"""What the installed torch's DataLoader has, for tests that run on every torch
+fastload supports (2.1 to the newest; ``.ci/torch-matrix``).
+
+The tests compare FastLoader against the installed ``DataLoader``; these
+helpers only say which of DataLoader's arguments and behaviours this torch
+has, so that a test asks for ``in_order`` only where DataLoader takes it and
+expects a warning only where DataLoader gives it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Tuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+#: torch's version as numbers, (major, minor).
+TORCH: Tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+
+#: DataLoader's parameters in this torch (``in_order`` arrived in torch 2.6).
+DATALOADER_PARAMS = frozenset(inspect.signature(DataLoader.__init__).parameters)
+
+#: Whether DataLoader takes ``in_order``.
+HAS_IN_ORDER = "in_order" in DATALOADER_PARAMS
+
+#: Whether torch has ``torch.accelerator`` (torch 2.6 on); DataLoader's
+#: pin-memory warnings then name "accelerator".
+HAS_ACCELERATOR_API = hasattr(torch, "accelerator")
+
+
+#: For a test of ``in_order=False``: skipped where DataLoader lacks it.
+needs_in_order = pytest.mark.skipif(
+    not HAS_IN_ORDER, reason=f"DataLoader has no in_order before torch 2.6 (this is {torch.__version__})")
+
+
+def accelerator_available() -> bool:
+    """What DataLoader asks before pinning: an accelerator (torch 2.6 on) or CUDA."""
+    if HAS_ACCELERATOR_API:
+        return torch.accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def cpu_count() -> int:
+    """The CPUs DataLoader's worker-count check counts (this process's affinity)."""
+    counter = getattr(torch._utils, "cpu_count", None)  # torch 2.5 on
+    if counter is not None:
+        return counter() or 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
