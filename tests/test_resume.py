@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -105,7 +106,10 @@ def _roundtrip(sd: Dict[str, Any]) -> Dict[str, Any]:
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
-    return torch.load(buf, weights_only=True)
+    with warnings.catch_warnings():
+        # torch 2.1's weights_only loading warns of its own use of TypedStorage.
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        return torch.load(buf, weights_only=True)
 
 
 def _check_resume(make, stop_epoch: int, stop: int, *, exhaust: bool = False) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 from typing import Tuple
 
 import pytest
@@ -34,6 +35,18 @@ HAS_ACCELERATOR_API = hasattr(torch, "accelerator")
 #: For a test of ``in_order=False``: skipped where DataLoader lacks it.
 needs_in_order = pytest.mark.skipif(
     not HAS_IN_ORDER, reason=f"DataLoader has no in_order before torch 2.6 (this is {torch.__version__})")
+
+
+def _generator_pickles() -> bool:
+    try:
+        pickle.dumps(torch.Generator())
+    except TypeError:
+        return False
+    return True
+
+
+#: Whether a ``torch.Generator`` can be pickled or deep-copied (not in torch 2.1).
+GENERATOR_PICKLES = _generator_pickles()
 
 
 def accelerator_available() -> bool:
