@@ -26,6 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import resume_format
 from .debug_views import LoaderView
+from .errors import add_note
 from .device import StreamOps
 from .iterator import FastLoaderIter
 from .single_process import SingleProcessIter
@@ -192,7 +193,11 @@ class FastLoader(DataLoader[T_co]):
                 hang_timeout=hang_timeout, max_worker_restarts=max_worker_restarts,
                 device=device, auto_workers=auto,
             ))
-            super().__init__(*args, **kwargs)
+            try:
+                super().__init__(*args, **kwargs)
+            except TypeError as e:
+                _note_newer_arguments(e, kwargs)
+                raise
             if self.num_workers > 0 and self.multiprocessing_context is None:
                 # The fork server runs (and imports torch) while the script goes
                 # on, and forks the first pool's zygote, which imports the
@@ -290,6 +295,21 @@ def _signature(init: Callable[..., None]) -> inspect.Signature:
 
 
 FastLoader.__init__.__signature__ = _signature(FastLoader.__init__)  # type: ignore[attr-defined]
+
+
+# DataLoader arguments newer than the oldest torch fastload supports, and the
+# torch release that brought each.
+_NEWER_ARGUMENTS = {"in_order": "2.6"}
+
+
+def _note_newer_arguments(error: TypeError, kwargs: Dict[str, Any]) -> None:
+    """DataLoader refused an argument of a newer torch than the installed
+    one: its TypeError (unchanged) gets a note naming the torch it needs."""
+    have = inspect.signature(DataLoader.__init__).parameters
+    for name, since in _NEWER_ARGUMENTS.items():
+        if name in kwargs and name not in have:
+            add_note(error, f"fastload: DataLoader takes {name}= from torch {since} on; "
+                            f"this is torch {torch.__version__}")
 
 
 def _start_count_for_auto(args: Tuple[Any, ...], kwargs: Dict[str, Any]

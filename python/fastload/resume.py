@@ -29,7 +29,7 @@ depends on, and how it is kept without work per step:
 Its result is plain data (ints, lists, dicts, uint8 tensors) that
 ``torch.save`` / ``torch.load(weights_only=True)`` carry on every torch
 fastload supports: the generators' raw states are saved as uint8 tensors,
-not bytes, which ``weights_only`` loading refuses before torch 2.3.
+not bytes, which ``weights_only`` loading refuses before torch 2.5.
 
 This module is the main process's side: what an epoch's order is drawn
 from (:func:`epoch_start`), drawing it again (:class:`Replay`), and each
@@ -238,7 +238,7 @@ def worker_resume(state: Optional[Dict[str, Any]], mid_epoch: bool) -> Optional[
 
 # A capture's generator states are raw bytes (see fastload.capture); a
 # saved state holds them as uint8 tensors, which torch.load(weights_only=True)
-# reads on every torch (bytes only from torch 2.3 on).
+# reads on every torch (bytes only from torch 2.5 on).
 def _saved_capture(capture_: tuple) -> tuple:
     """A capture as the saved state holds it: its raw states as uint8 tensors."""
     (version, internal, gauss), torch_state, np_state = capture_[:3]

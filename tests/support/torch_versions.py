@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import warnings
 from typing import Tuple
 
 import pytest
@@ -27,7 +28,7 @@ DATALOADER_PARAMS = frozenset(inspect.signature(DataLoader.__init__).parameters)
 #: Whether DataLoader takes ``in_order``.
 HAS_IN_ORDER = "in_order" in DATALOADER_PARAMS
 
-#: Whether torch has ``torch.accelerator`` (torch 2.6 on); DataLoader's
+#: Whether torch has ``torch.accelerator`` (not torch 2.1); DataLoader's
 #: pin-memory warnings then name "accelerator".
 HAS_ACCELERATOR_API = hasattr(torch, "accelerator")
 
@@ -49,8 +50,28 @@ def _generator_pickles() -> bool:
 GENERATOR_PICKLES = _generator_pickles()
 
 
+def _nested_tensors_pickle() -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        try:
+            pickle.dumps(torch.nested.nested_tensor([torch.zeros(1)]))
+        except RuntimeError:
+            return False
+    return True
+
+
+#: Whether nested tensors can be pickled, so sent between processes (not in
+#: torch 2.1, where DataLoader's workers then lose the batch and it hangs).
+NESTED_TENSORS_PICKLE = _nested_tensors_pickle()
+
+#: For a test of nested tensors in batches: skipped where torch cannot send them.
+needs_nested_pickling = pytest.mark.skipif(
+    not NESTED_TENSORS_PICKLE,
+    reason=f"torch {torch.__version__} cannot pickle nested tensors (DataLoader's workers hang on them)")
+
+
 def accelerator_available() -> bool:
-    """What DataLoader asks before pinning: an accelerator (torch 2.6 on) or CUDA."""
+    """What DataLoader asks before pinning: an accelerator (where torch has the API) or CUDA."""
     if HAS_ACCELERATOR_API:
         return torch.accelerator.is_available()
     return torch.cuda.is_available()
@@ -58,7 +79,7 @@ def accelerator_available() -> bool:
 
 def cpu_count() -> int:
     """The CPUs DataLoader's worker-count check counts (this process's affinity)."""
-    counter = getattr(torch._utils, "cpu_count", None)  # torch 2.5 on
+    counter = getattr(torch._utils, "cpu_count", None)  # not in torch 2.1
     if counter is not None:
         return counter() or 1
     try:
