@@ -170,8 +170,9 @@ def test_num_workers_set_after_construction(value):
     assert dl[0] == fl[0] == "iter"
     assert type(fl[1]) is type(dl[1])
     if value == -1:
-        # The same check; DataLoader's message names its iterator class.
-        assert str(dl[1]) == "num_workers must be greater than 0 for MultiProcessingDataLoaderIter"
+        # The same check; DataLoader's message names its iterator class (older
+        # torch, 2.1, asserts it bare, with no message).
+        assert str(dl[1]) in ("num_workers must be greater than 0 for MultiProcessingDataLoaderIter", "")
         assert str(fl[1]) == "num_workers must be greater than 0 for multi-process loading"
     else:
         assert str(fl[1]) == str(dl[1])
