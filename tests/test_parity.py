@@ -279,6 +279,18 @@ def test_nested_tensors_arrive_as_with_dataloader(kwargs):
 
 
 @pytest.mark.filterwarnings(NESTED_PROTOTYPE)
+@pytest.mark.skipif(torch_versions.NESTED_TENSORS_PICKLE,
+                    reason=f"torch {torch.__version__} pickles nested tensors: the tests above")
+def test_nested_tensors_fail_clearly_where_torch_cannot_pickle_them():
+    """Where torch cannot pickle a nested tensor (2.1), DataLoader's workers
+    lose such a batch and its loop waits forever (so it is not run here);
+    fastload raises the worker's error, naming the batch."""
+    fl = attempt(FastLoader, NestedSamples(), num_workers=2, batch_size=None)
+    assert fl[0] == "next" and type(fl[1]) is RuntimeError, fl
+    assert "in DataLoader worker process" in str(fl[1]) and "sample index" in str(fl[1])
+
+
+@pytest.mark.filterwarnings(NESTED_PROTOTYPE)
 @torch_versions.needs_nested_pickling
 @pytest.mark.heavy
 def test_nested_tensors_outlive_their_batch():
