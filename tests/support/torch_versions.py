@@ -13,14 +13,9 @@ import inspect
 import os
 import pickle
 import warnings
-from typing import Tuple
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
-
-#: torch's version as numbers, (major, minor).
-TORCH: Tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
 #: DataLoader's parameters in this torch (``in_order`` arrived in torch 2.6).
 DATALOADER_PARAMS = frozenset(inspect.signature(DataLoader.__init__).parameters)
