@@ -32,7 +32,7 @@ from torch.utils.data import (
 
 from fastload import FastLoader
 from fastload.debug import debug_view
-from support import equality as eqd
+from support import equality as eqd, torch_versions
 from support.equality import assert_epochs_same, assert_same
 
 
@@ -258,6 +258,7 @@ def test_fork_context_random_batch_sampler():
 # ---------------------------------------------------------------------------
 # in_order=False
 # ---------------------------------------------------------------------------
+@torch_versions.needs_in_order
 def test_in_order_false_same_multiset():
     """Out-of-order delivery: the same batches, in any order."""
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from support import torch_versions
 from support.datasets import Plain
 from support.fake_pool import DrivenLoader, ring_slots
 
@@ -78,6 +79,7 @@ def test_batches_come_in_order_whichever_worker_finishes_first() -> None:
     assert pool.fetches[0].worker == 1  # worker 1's batches were made first
 
 
+@torch_versions.needs_in_order
 def test_with_in_order_false_the_batch_made_first_comes_first() -> None:
     loader = DrivenLoader(Plain(12), batch_size=2, num_workers=W, in_order=False)
     it = iter(loader)

@@ -81,10 +81,10 @@ class Capturer:
         version, internal, gauss = random.getstate()
         py = (version, array.array("I", internal).tobytes(), gauss)
         ds_state = dataset.state_dict() if dataset is not None and is_stateful(dataset) else None
-        return (py, _tensor_bytes(torch.get_rng_state()), self._numpy_state(), samples, ds_state)
+        return (py, tensor_bytes(torch.get_rng_state()), self._numpy_state(), samples, ds_state)
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
     """A uint8 tensor's bytes, with or without numpy installed."""
     out = bytearray(t.numel())
     torch.frombuffer(out, dtype=torch.uint8).copy_(t)

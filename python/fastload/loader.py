@@ -12,10 +12,12 @@ persistent workers) but batches travel through the shared-memory ring of
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import multiprocessing
 import operator
 import weakref
-from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Generic, Iterable, List, Optional, Tuple,
+                    TypeVar, Union)
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, Sampler,
@@ -24,6 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import resume_format
 from .debug_views import LoaderView
+from .errors import add_note
 from .device import StreamOps
 from .iterator import FastLoaderIter
 from .single_process import SingleProcessIter
@@ -63,8 +66,11 @@ class _Option(Generic[_V]):
 class FastLoader(DataLoader[T_co]):
     """Drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
-    Takes exactly DataLoader's arguments, with the same defaults and errors,
-    plus ``num_workers="auto"`` and keyword-only options:
+    Takes exactly the installed torch's DataLoader arguments, with the same
+    defaults and errors, plus ``num_workers="auto"`` and keyword-only options.
+    They go to that DataLoader as given: one it does not take (``in_order``
+    before torch 2.6) fails there with its ``TypeError``, and
+    ``inspect.signature(FastLoader)`` shows its parameters, then these:
 
     Args:
         num_workers: as DataLoader's, or ``"auto"``: fastload chooses the
@@ -131,71 +137,78 @@ class FastLoader(DataLoader[T_co]):
     max_worker_restarts: _Option[int] = _Option()
     device: _Option[Optional[torch.device]] = _Option()
 
-    def __init__(
-        self,
-        dataset: Dataset[T_co],
-        batch_size: Optional[int] = 1,
-        shuffle: Optional[bool] = None,
-        sampler: Optional[Sampler | Iterable] = None,
-        batch_sampler: Optional[Sampler[List] | Iterable[List]] = None,
-        num_workers: Union[int, str] = 0,
-        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn: Optional[Callable[[int], None]] = None,
-        multiprocessing_context: Any = None,
-        generator: Optional[torch.Generator] = None,
-        *,
-        prefetch_factor: Optional[int] = None,
-        persistent_workers: bool = False,
-        pin_memory_device: str = "",
-        in_order: bool = True,
-        allow_gpu_in_workers: bool = False,
-        slot_bytes: Optional[int] = None,
-        held_batches: int = 4,
-        reuse_workers: bool = True,
-        hang_timeout: Optional[float] = 300.0,
-        max_worker_restarts: int = 0,
-        device: Optional[Any] = None,
-    ) -> None:
-        auto = _is_auto(num_workers)
-        if auto:  # DataLoader gets the count to start from (see fastload.autoscale)
-            num_workers = initial_workers(cores_available())
-        self._fastload_state = LoaderState(LoaderOptions(  # STATE_ATTR
-            allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
-            held_batches=held_batches, reuse_workers=reuse_workers, hang_timeout=hang_timeout,
-            max_worker_restarts=max_worker_restarts, device=device, auto_workers=auto,
-        ))
-        super().__init__(
-            dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
-        if self.num_workers > 0 and self.multiprocessing_context is None:
-            # The fork server runs (and imports torch) while the script goes
-            # on, and forks the first pool's zygote, which imports the
-            # loader's modules meanwhile. The zygote ends with the loader if
-            # no pool takes it; the server when the last loader is gone.
-            state = self._fastload_state
-            lease = state.lease_fork_server()
-            state.prepare_zygote(loader_modules(
-                dataset, self.sampler, self.batch_sampler, collate_fn, worker_init_fn))
-            weakref.finalize(self, release_lease, lease, state)
+    if TYPE_CHECKING:
+        # What type checkers see: DataLoader's arguments as the newest torch
+        # has them. At run time the signature is the installed torch's (see
+        # _signature below): an argument that torch's DataLoader lacks
+        # (``in_order`` before torch 2.6) is not there.
+        def __init__(
+            self,
+            dataset: Dataset[T_co],
+            batch_size: Optional[int] = 1,
+            shuffle: Optional[bool] = None,
+            sampler: Optional[Sampler | Iterable] = None,
+            batch_sampler: Optional[Sampler[List] | Iterable[List]] = None,
+            num_workers: Union[int, str] = 0,
+            collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+            pin_memory: bool = False,
+            drop_last: bool = False,
+            timeout: float = 0,
+            worker_init_fn: Optional[Callable[[int], None]] = None,
+            multiprocessing_context: Any = None,
+            generator: Optional[torch.Generator] = None,
+            *,
+            prefetch_factor: Optional[int] = None,
+            persistent_workers: bool = False,
+            pin_memory_device: str = "",
+            in_order: bool = True,
+            allow_gpu_in_workers: bool = False,
+            slot_bytes: Optional[int] = None,
+            held_batches: int = 4,
+            reuse_workers: bool = True,
+            hang_timeout: Optional[float] = 300.0,
+            max_worker_restarts: int = 0,
+            device: Optional[Any] = None,
+        ) -> None: ...
+    else:
+        def __init__(
+            self,
+            *args: Any,
+            allow_gpu_in_workers: bool = False,
+            slot_bytes: Optional[int] = None,
+            held_batches: int = 4,
+            reuse_workers: bool = True,
+            hang_timeout: Optional[float] = 300.0,
+            max_worker_restarts: int = 0,
+            device: Optional[Any] = None,
+            **kwargs: Any,
+        ) -> None:
+            # DataLoader's arguments go to the installed DataLoader as given,
+            # so its defaults apply and one it does not take fails there, in
+            # its own words. Only num_workers="auto" is replaced first.
+            args, kwargs, auto = _start_count_for_auto(args, kwargs)
+            self._fastload_state = LoaderState(LoaderOptions(  # STATE_ATTR
+                allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
+                held_batches=held_batches, reuse_workers=reuse_workers,
+                hang_timeout=hang_timeout, max_worker_restarts=max_worker_restarts,
+                device=device, auto_workers=auto,
+            ))
+            try:
+                super().__init__(*args, **kwargs)
+            except TypeError as e:
+                _note_newer_arguments(e, kwargs)
+                raise
+            if self.num_workers > 0 and self.multiprocessing_context is None:
+                # The fork server runs (and imports torch) while the script goes
+                # on, and forks the first pool's zygote, which imports the
+                # loader's modules meanwhile. The zygote ends with the loader if
+                # no pool takes it; the server when the last loader is gone.
+                state = self._fastload_state
+                lease = state.lease_fork_server()
+                state.prepare_zygote(loader_modules(
+                    self.dataset, self.sampler, self.batch_sampler, self.collate_fn,
+                    self.worker_init_fn))
+                weakref.finalize(self, release_lease, lease, state)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         state = self._fastload_state
@@ -265,6 +278,52 @@ class FastLoader(DataLoader[T_co]):
     def _stream_ops(self) -> Optional[StreamOps]:
         """Stream operations for device prefetch; None when there is nothing to do."""
         return self._fastload_state.stream_ops()
+
+
+def _signature(init: Callable[..., None]) -> inspect.Signature:
+    """``FastLoader.__init__``'s signature as callers see it: the installed
+    DataLoader's parameters (names, kinds, defaults), then fastload's
+    keyword-only options, taken from ``init``."""
+    dataloader = inspect.signature(DataLoader.__init__)
+    theirs = list(dataloader.parameters.values())
+    ours = [p for p in inspect.signature(init).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    tail = [p for p in theirs if p.kind is inspect.Parameter.VAR_KEYWORD]
+    head = [p.replace(annotation="int | str") if p.name == "num_workers" else p  # or "auto"
+            for p in theirs if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return inspect.Signature(head + ours + tail, return_annotation=dataloader.return_annotation)
+
+
+FastLoader.__init__.__signature__ = _signature(FastLoader.__init__)  # type: ignore[attr-defined]
+
+
+# DataLoader arguments newer than the oldest torch fastload supports, and the
+# torch release that brought each.
+_NEWER_ARGUMENTS = {"in_order": "2.6"}
+
+
+def _note_newer_arguments(error: TypeError, kwargs: Dict[str, Any]) -> None:
+    """DataLoader refused an argument of a newer torch than the installed
+    one: its TypeError (unchanged) gets a note naming the torch it needs."""
+    have = inspect.signature(DataLoader.__init__).parameters
+    for name, since in _NEWER_ARGUMENTS.items():
+        if name in kwargs and name not in have:
+            add_note(error, f"fastload: DataLoader takes {name}= from torch {since} on; "
+                            f"this is torch {torch.__version__}")
+
+
+def _start_count_for_auto(args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                          ) -> Tuple[Tuple[Any, ...], Dict[str, Any], bool]:
+    """DataLoader's arguments as given, with ``num_workers="auto"`` replaced
+    by the count to start from; and whether it was "auto"."""
+    try:
+        bound = inspect.signature(DataLoader.__init__).bind(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs, False  # DataLoader refuses them in its own words
+    if not _is_auto(bound.arguments.get("num_workers")):
+        return args, kwargs, False
+    bound.arguments["num_workers"] = initial_workers(cores_available())
+    return bound.args[1:], bound.kwargs, True
 
 
 def stats(loader: DataLoader) -> Optional[LoaderStats]:

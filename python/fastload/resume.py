@@ -26,8 +26,10 @@ depends on, and how it is kept without work per step:
   is fast-forwarded by the number of samples its worker had delivered.
 
 ``state_dict()`` only packs what is kept: no worker round trip, no waiting.
-Its result is plain data (ints, bytes, lists, dicts) that ``torch.save`` /
-``torch.load(weights_only=True)`` carry.
+Its result is plain data (ints, lists, dicts, uint8 tensors) that
+``torch.save`` / ``torch.load(weights_only=True)`` carry on every torch
+fastload supports: the generators' raw states are saved as uint8 tensors,
+not bytes, which ``weights_only`` loading refuses before torch 2.5.
 
 This module is the main process's side: what an epoch's order is drawn
 from (:func:`epoch_start`), drawing it again (:class:`Replay`), and each
@@ -48,7 +50,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .capture import Capturer, CountingIter
+from .capture import Capturer, CountingIter, tensor_bytes
 
 # The workers' side (fastload.capture) is named here too, for callers that
 # measure or test a capture's round trip through fastload.resume.
@@ -212,7 +214,8 @@ class ResumeBook:
     def worker_states(self) -> List[Optional[Dict[str, Any]]]:
         """Per worker, its capture (plain data) and whether it is of this epoch."""
         return [None if snap is None else
-                {"capture": decode(snap), "this_epoch": self.last_epoch[w] == self.epoch}
+                {"capture": _saved_capture(decode(snap)),
+                 "this_epoch": self.last_epoch[w] == self.epoch}
                 for w, snap in enumerate(self.last)]
 
     def ahead(self) -> List[int]:
@@ -228,6 +231,41 @@ def worker_resume(state: Optional[Dict[str, Any]], mid_epoch: bool) -> Optional[
     """What a resumed worker's session gets: (capture, samples to skip)."""
     if state is None:
         return None
-    capture_ = tuple(state["capture"])
+    capture_ = _loaded_capture(tuple(state["capture"]))
     skip = capture_[3] if mid_epoch and state["this_epoch"] and capture_[4] is None else 0
     return (capture_, skip)
+
+
+# A capture's generator states are raw bytes (see fastload.capture); a
+# saved state holds them as uint8 tensors, which torch.load(weights_only=True)
+# reads on every torch (bytes only from torch 2.5 on).
+def _saved_capture(capture_: tuple) -> tuple:
+    """A capture as the saved state holds it: its raw states as uint8 tensors."""
+    (version, internal, gauss), torch_state, np_state = capture_[:3]
+    if np_state is not None:
+        np_state = (np_state[0], _as_tensor(np_state[1]), *np_state[2:])
+    return ((version, _as_tensor(internal), gauss), _as_tensor(torch_state), np_state,
+            *capture_[3:])
+
+
+def _loaded_capture(capture_: tuple) -> tuple:
+    """A capture as :func:`_saved_capture` saved it, its raw states bytes again."""
+    (version, internal, gauss), torch_state, np_state = capture_[:3]
+    if np_state is not None:
+        np_state = (np_state[0], _as_bytes(np_state[1]), *np_state[2:])
+    return ((version, _as_bytes(internal), gauss), _as_bytes(torch_state), np_state,
+            *capture_[3:])
+
+
+def _as_tensor(raw: Any) -> Any:
+    if isinstance(raw, (bytes, bytearray)):
+        if not raw:  # frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return raw
+
+
+def _as_bytes(raw: Any) -> Any:
+    if isinstance(raw, torch.Tensor):
+        return tensor_bytes(raw.contiguous().view(torch.uint8))
+    return raw

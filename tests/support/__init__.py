@@ -24,6 +24,9 @@
   process; ``DrivenLoader``, a DataLoader iterated by fastload over it.
 * :mod:`support.fake_zygotes` -- fork servers and zygotes that record what
   they are asked, for ``fastload.launching.lineage``.
+* :mod:`support.torch_versions` -- which of DataLoader's arguments and
+  behaviours the installed torch has (the suite runs on torch 2.1 to the
+  newest).
 
 Datasets are pickled to worker processes by reference, so they must be
 importable: pytest puts ``tests/`` on ``sys.path`` (``tests/conftest.py``,

@@ -37,6 +37,12 @@ _NON_LEAF_MESSAGE = (
 )
 
 
+# Whether the reader can rebuild a nested tensor as a view of the slot
+# (torch._nested_view_from_buffer; not in torch 2.1). Without it a nested
+# tensor is pickled by torch's own reduction, as DataLoader's queue sends it.
+NESTED_VIEWS = hasattr(torch, "_nested_view_from_buffer")
+
+
 def _plain_cpu_tensor(obj: Any) -> bool:
     # A nested tensor (layout strided too) has no strides of its own: see
     # SlotWriter._nested_id.
@@ -163,7 +169,8 @@ class SlotWriter:
         pid = self._ids.get(key)
         if pid is None:
             if not _plain_cpu_tensor(t):
-                if not (t.is_nested and t.layout == torch.strided and t.device.type == "cpu"):
+                if not (t.is_nested and t.layout == torch.strided and t.device.type == "cpu"
+                        and NESTED_VIEWS):
                     return None
                 pid = self._nested_id(t)
             else:
