@@ -209,7 +209,8 @@ class ArrayRows(Dataset):
         return self.data.shape[0] // 64
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor(np.asarray(self.data[i * 64]))
+        # (as int64: torch before 2.3 cannot make a tensor of uint16)
+        return torch.from_numpy(np.asarray(self.data[i * 64]).astype(np.int64))
 
 
 def test_a_big_array_is_copied_once_per_loader_and_reused_while_unchanged() -> None:

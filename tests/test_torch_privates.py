@@ -36,6 +36,8 @@ REQUIRED: List[Tuple[str, str, str]] = [
     ("torch.utils.data._utils.signal_handling", "_set_worker_signal_handlers", "worker"),
     ("torch.utils.data._utils.pin_memory", "pin_memory", "iterator, pinning"),
     ("torch._utils", "ExceptionWrapper", "errors from workers"),
+    ("torch", "UntypedStorage._new_shared_fd_cpu", "launching.references: a storage over a memfd"),
+    ("torch", "UntypedStorage._share_fd_cpu_", "launching.references: a moved storage's memfd"),
 ]
 
 
@@ -77,3 +79,16 @@ def test_nested_views_where_torch_has_them() -> None:
         for name in ("_nested_tensor_size", "_nested_tensor_strides",
                      "_nested_tensor_storage_offsets", "values"):
             assert callable(getattr(nt, name)), name
+
+
+def test_moving_storages_in_place_where_torch_can() -> None:
+    """A big tensor in a dataset is moved into shared memory in place only
+    where torch can swap two storages' memory (UntypedStorage._swap_data_ptr_,
+    not in torch 2.1 nor 2.11) and say whether torch allocated a storage
+    (UntypedStorage.resizable, not in 2.1); elsewhere it crosses as a buffer
+    copied once per loader (tests/test_references.py checks both)."""
+    from fastload.launching import references
+
+    storage = torch.zeros(4).untyped_storage()
+    can = hasattr(storage, "_swap_data_ptr_") and hasattr(storage, "resizable")
+    assert references._movable(storage) == can  # noqa: SLF001 - the rule itself
