@@ -135,8 +135,11 @@ def measure_copy_on_read(n: int = 1_500_000, workers: int = 4, rounds: int = 3) 
     code = "import sys; from fastload.bench.copy_on_read import child; child(sys.argv[1], {n}, {w})"
     for r in range(rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            # No fork server at import: beside DataLoader it would count as a
+            # child (a worker) of the run; fastload's starts with its loader.
             proc = subprocess.run([sys.executable, "-c", code.format(n=n, w=workers), mode],
-                                  check=True, capture_output=True, text=True)
+                                  check=True, capture_output=True, text=True,
+                                  env=dict(os.environ, FASTLOAD_SERVER_AT_IMPORT="0"))
             runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     median: Dict[str, Dict[str, float]] = {}
     for mode in MODES:

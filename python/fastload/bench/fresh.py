@@ -9,16 +9,24 @@ and prints its result as JSON on the last line of its output; and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any, Dict, Optional
 
 
-def run_fresh(module: str, payload: Dict[str, Any], what: str, timeout: float = 600) -> Dict[str, Any]:
+def run_fresh(module: str, payload: Dict[str, Any], what: str, timeout: float = 600,
+              server_at_import: bool = False) -> Dict[str, Any]:
     """``python -m module --child JSON(payload)``'s result; raises with the
-    child's stderr if it fails (``what`` names the run in the message)."""
+    child's stderr if it fails (``what`` names the run in the message).
+
+    The child imports fastload (its measuring code lives there), which would
+    start a fork server beside a DataLoader run: it does so only given
+    ``server_at_import`` (a fastload run measured as a script that imports
+    fastload at its top)."""
     cmd = [sys.executable, "-m", module, "--child", json.dumps(payload)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, FASTLOAD_SERVER_AT_IMPORT="1" if server_at_import else "0")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{what} run {payload} failed (exit {done.returncode}):\n"
                            f"{done.stderr[-3000:]}")

@@ -8,7 +8,8 @@ reference (docs/design.md, "What crosses to a worker"); this table checks
 that it costs what fork costs.
 
 Each run is a fresh interpreter that builds one dataset of ``--data-gib``
-GiB (the path list: 1.5M paths), makes a loader with 4 workers and
+GiB (the path list: 1.5M paths; fastload's run imports fastload first, as
+a script does at its top, so its fork server starts meanwhile), makes a loader with 4 workers and
 ``persistent_workers=False`` (the default), and runs 2 epochs of 40 random
 batches of 64, while a thread samples the memory of the whole process tree
 (this process and every descendant) every 0.25 s: the PSS of its private
@@ -308,7 +309,11 @@ def measure_held_data(data_gib: float = 2.0, rounds: int = 3, workers: int = 4,
                         continue  # one run: spawn pickles the data per worker, minutes at 2 GiB
                     spec = {"kind": kind, "loader": loader, "nbytes": nbytes, "where": where,
                             "workers": workers}
-                    runs[kind][loader].append(run_fresh("fastload.bench.held_data", spec, f"held data {kind}", 1800))
+                    # fastload's child imports it at its top, as a script would:
+                    # the fork server starts then; DataLoader's starts none.
+                    runs[kind][loader].append(run_fresh(
+                        "fastload.bench.held_data", spec, f"held data {kind}", 1800,
+                        server_at_import=loader == "fastload"))
     median = {kind: {m: {"peak_mb": statistics.median(r["peak_mb"] for r in got),
                          "first1_s": statistics.median(r["first_batch_s"][0] for r in got),
                          "first2_s": statistics.median(r["first_batch_s"][1] for r in got),
