@@ -197,14 +197,16 @@ def _memory(pids):
 
 
 def _epoch_memory(loader, pids_of) -> list:
-    """Iterate one epoch; the workers' memory once the last batch is in
-    (every worker has made all its batches; DataLoader's are still up)."""
+    """Iterate one epoch; the workers' memory once the next-to-last batch is
+    in (every worker has made all its batches but that last one, and all
+    still run: fastload's end as the last batch is handed out, DataLoader's
+    at StopIteration), as the copy-on-read benchmark measures it."""
     it = iter(loader)
     n, got = len(loader), None
     for k, batch in enumerate(it):
         if k == 0:
             pids = pids_of(it)
-        if k == n - 1:
+        if k == n - 2:
             got = _memory(pids)
     del it
     return got
