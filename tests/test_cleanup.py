@@ -9,7 +9,6 @@ other start methods, and the environment workers run in.
 from __future__ import annotations
 
 import gc
-import inspect
 import multiprocessing
 import os
 import queue
@@ -35,23 +34,20 @@ from support.processes import children, pid_alive, shm_entries, wait_pids_gone
 EXPECTED = [[i, i + 1] for i in range(0, 10, 2)]
 
 
-# fastload may keep a non-persistent loader's pool warm between epochs
+# fastload keeps a non-persistent loader's pool warm between epochs
 # (``reuse_workers``: its ring and zygote, which the next epoch's workers are
-# forked from; they end with the loader). Where it has that option the tests
-# of an iterator's end run both ways; "fresh" is DataLoader's behaviour.
-REUSE_SUPPORTED = "reuse_workers" in inspect.signature(FastLoader.__init__).parameters
+# forked from; they end with the loader). The tests of an iterator's end run
+# both ways; "fresh" is DataLoader's behaviour.
 POOL_MODES = [
     pytest.param(False, id="fresh-workers"),
-    pytest.param(True, id="reused-workers", marks=pytest.mark.skipif(
-        not REUSE_SUPPORTED, reason="this fastload has no reuse_workers option")),
+    pytest.param(True, id="reused-workers"),
 ]
 
 
 def _plain_loader(reuse: bool = False, **kw) -> FastLoader:
     kw.setdefault("batch_size", 2)
     kw.setdefault("num_workers", NW)
-    if REUSE_SUPPORTED:
-        kw.setdefault("reuse_workers", reuse)
+    kw.setdefault("reuse_workers", reuse)
     return FastLoader(Plain(10), **kw)
 
 
@@ -202,8 +198,7 @@ def test_persistent_workers_stop_on_del_without_gc():
 @pytest.mark.parametrize("reuse", POOL_MODES)
 def test_held_batches_outlive_the_iterator(reuse):
     width = 4096
-    kw = {"reuse_workers": reuse} if REUSE_SUPPORTED else {}
-    loader = FastLoader(Plain(16, width=width), batch_size=2, num_workers=NW, **kw)
+    loader = FastLoader(Plain(16, width=width), batch_size=2, num_workers=NW, reuse_workers=reuse)
     it = iter(loader)
     view = debug_view(it)
     pids = view.worker_pids
@@ -468,7 +463,6 @@ def test_persistent_worker_killed_between_epochs():
     gc.collect()
 
 
-@pytest.mark.skipif(not REUSE_SUPPORTED, reason="this fastload has no reuse_workers option")
 @pytest.mark.heavy
 def test_reused_worker_killed_between_epochs():
     # Not persistent, but the loader keeps its workers warm: losing one while
