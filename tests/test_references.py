@@ -169,6 +169,27 @@ def test_a_tensor_loaded_with_mmap_is_mapped_again_from_its_file(tmp_path: Path)
         assert torch.equal(x, y) and x.dtype == y.dtype
 
 
+@moves_tensors
+def test_past_the_fd_budget_tensors_go_as_buffer_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset of many big tensors: at most _FDS_PER_PACK move into memfds
+    of their own (an fd each); the rest share the loader's buffer copies, so
+    the session's fds stay few however many tensors there are."""
+    monkeypatch.setattr(references, "MOVE_BYTES", 64 << 10)
+    monkeypatch.setattr(references, "_FDS_PER_PACK", 3)
+    tensors = [torch.full((32 << 10,), float(i)) for i in range(6)]  # 128 KiB each
+    buffers = SharedBuffers()
+    try:
+        for _epoch in range(2):
+            parcel = crossing.pack(tensors, "t", buffers=buffers)
+            assert len(parcel.fds) == 4  # three moved tensors and one arena
+            got = crossing.unpack(parcel.data, [os.dup(fd) for fd in parcel.fds])
+            parcel.close()
+            assert all(torch.equal(a, b) for a, b in zip(tensors, got))
+        assert [t.is_shared() for t in tensors] == [True] * 3 + [False] * 3
+    finally:
+        buffers.close()
+
+
 def test_parameters_and_requires_grad_survive_the_crossing() -> None:
     p = torch.nn.Parameter(torch.ones(1 << 20))
     g = torch.zeros(1 << 20, requires_grad=True)

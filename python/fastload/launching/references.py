@@ -65,7 +65,10 @@ __all__ = ["BUFFER_BYTES", "MOVE_BYTES", "SharedBuffers", "SharedSequence", "mov
 
 BUFFER_BYTES = 64 << 10  # a buffer this big or bigger crosses out of band
 MOVE_BYTES = 4 << 20  # a tensor storage this big or bigger is moved into a memfd of its own
-_MOVED_PER_PACK = 64  # more storages than this in one session go through SharedBuffers (fd budget)
+# At most this many storages of one session go as memfds of their own (each
+# an fd passed, and one kept per moved tensor): the rest go through
+# SharedBuffers, whose copies share one memfd (a message passes 250 fds).
+_FDS_PER_PACK = 64
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _MEMFD_NAME = "fastload-data"  # a tensor moved by fastload: mapped copy-on-write by workers
 _ARENA_NAME = "fastload-buffers"  # SharedBuffers' copies
@@ -259,10 +262,11 @@ def _tensor_by_reference(t: torch.Tensor, packing: "Packing") -> Any:
             return NotImplemented  # torch's sharing (crossing), or small: bytes
         if t.is_pinned():
             return NotImplemented  # page-locked memory stays where it is
-        if nbytes >= MOVE_BYTES and packing.moves_left > 0 and _movable(storage):
-            packing.moves_left -= 1
+        if nbytes >= MOVE_BYTES and len(packing.storages) < _FDS_PER_PACK and _movable(storage):
             fd = move_to_shared(storage)
             log.debug("fastload: moved a %d-byte tensor storage into shared memory", nbytes)
+    if fd is not None and fd not in packing.storages and len(packing.storages) >= _FDS_PER_PACK:
+        fd = None  # past the session's fd budget: this one goes as a buffer copy
     if fd is None and not storage.is_shared() and not _resizable(storage):
         mapped = _mapped_storage(storage, t.element_size())
         if mapped is not None:  # torch.load(mmap=True), torch.from_file: the file again
@@ -352,7 +356,6 @@ class Packing:
         self.buffers = buffers
         self.storages: Dict[int, _StorageRef] = {}
         self.memo: Dict[Tuple[Any, ...], Any] = {}
-        self.moves_left = _MOVED_PER_PACK
         self.out_of_band: List["_BufferRef"] = []
 
     def buffer_callback(self, buf: "pickle.PickleBuffer") -> bool:
