@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import fastload
 from fastload import FastLoader, SharedSequence
-from fastload.launching import crossing, references
-from fastload.launching.references import SharedBuffers
+from fastload.launching import crossing, memfds, references
+from fastload.launching.buffer_copies import SharedBuffers
 
 from support import NW
 
@@ -209,7 +209,7 @@ def test_torch_s_private_storage_calls_fastload_uses_still_behave() -> None:
     memory swapped in place, so every view follows)."""
     t = torch.arange(1 << 20, dtype=torch.int32)
     view = t[5:]
-    fd = references.move_to_shared(t.untyped_storage())
+    fd = memfds.move_to_shared(t.untyped_storage())
     assert t.is_shared() and view.is_shared()
     assert t.untyped_storage()._share_fd_cpu_()[0] == fd
     assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:fastload-data")

@@ -36,8 +36,8 @@ REQUIRED: List[Tuple[str, str, str]] = [
     ("torch.utils.data._utils.signal_handling", "_set_worker_signal_handlers", "worker"),
     ("torch.utils.data._utils.pin_memory", "pin_memory", "iterator, pinning"),
     ("torch._utils", "ExceptionWrapper", "errors from workers"),
-    ("torch", "UntypedStorage._new_shared_fd_cpu", "launching.references: a storage over a memfd"),
-    ("torch", "UntypedStorage._share_fd_cpu_", "launching.references: a moved storage's memfd"),
+    ("torch", "UntypedStorage._new_shared_fd_cpu", "launching.memfds: a storage over a memfd"),
+    ("torch", "UntypedStorage._share_fd_cpu_", "launching.memfds: a moved storage's memfd"),
 ]
 
 
@@ -87,8 +87,8 @@ def test_moving_storages_in_place_where_torch_can() -> None:
     not in torch 2.1 nor 2.11) and say whether torch allocated a storage
     (UntypedStorage.resizable, not in 2.1); elsewhere it crosses as a buffer
     copied once per loader (tests/test_references.py checks both)."""
-    from fastload.launching import references
+    from fastload.launching import memfds
 
     storage = torch.zeros(4).untyped_storage()
     can = hasattr(storage, "_swap_data_ptr_") and hasattr(storage, "resizable")
-    assert references._movable(storage) == can  # noqa: SLF001 - the rule itself
+    assert memfds.movable(storage) == can

@@ -19,7 +19,7 @@ from .errors import WorkerHangError
 from .install import install, installed, uninstall
 from .launching.lineage import shutdown
 from .launching.lineage import start_at_import as _start_at_import
-from .launching.references import SharedSequence, share
+from .launching.share import SharedSequence, share
 from .loader import FastLoader, stats
 from .loader_stats import LoaderStats, Percentiles, SlowBatch
 

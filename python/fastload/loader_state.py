@@ -28,7 +28,7 @@ from .debug_views import IteratorView, LoaderView
 from .device import CudaStreamOps, StreamOps, resolve_device
 from .launching.zygote_client import Zygote
 from .launching.lineage import ServerLease, fork_server, fork_server_pid, lease_fork_server
-from .launching.references import SharedBuffers
+from .launching.buffer_copies import SharedBuffers
 from .launching.start_methods import ZYGOTE
 from .epoch_meter import EpochMeter
 from .pinning import DeviceRuntime, cuda_runtime_or_none
@@ -106,7 +106,7 @@ class LoaderState:
         self.spare_zygote: Optional[Zygote] = None
         self.warned_fork = False  # said that its workers fork from this process
         # Copies of the big arrays and buffers its sessions carry, reused
-        # while unchanged (fastload.launching.references); freed with it.
+        # while unchanged (fastload.launching.buffer_copies); freed with it.
         self.buffers = SharedBuffers()
         self.resume: Any = None  # a state from load_state_dict(), to start the next iterator from
         self.live_iterator: Any = None  # weakref to the newest iterator, for state_dict()

@@ -111,7 +111,7 @@ class _PeakSampler:
     """Samples the tree's memory every ``period`` s from a process of its
     own (a thread here would be one more Python thread in the measured
     process, which changes how fastload moves a tensor: see
-    fastload.launching.references.move_to_shared)."""
+    fastload.launching.memfds.move_to_shared)."""
 
     def __init__(self, period: float = 0.25) -> None:
         self.peak, self._period = 0, period

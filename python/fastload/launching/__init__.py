@@ -23,27 +23,33 @@ zygote, a worker).
 3. ``child`` (main): :class:`~fastload.launching.child.Child`, the handle
    on a worker fastload started; it quacks like ``multiprocessing.Process``
    and quotes the worker's death note.
-4. ``references`` (both): what fork would share, sent by reference: big
+4. ``memfds`` (both): making memfds, passing the fds this process keeps,
+   comparing bytes, and moving a tensor's storage into a memfd in place.
+5. ``buffer_copies`` (both): the loader's copies of the big buffers its
+   sessions carry, reused while unchanged, mapped copy-on-write elsewhere.
+6. ``share`` (both): ``fastload.share`` and ``SharedSequence``, shared
+   memory made once for every loader and worker.
+7. ``references`` (both): what fork would share, sent by reference: big
    tensors moved once into a memfd, memory-mapped arrays mapped again from
-   their files, other big buffers copied once per loader; each mapped
-   copy-on-write on the other side. Also ``fastload.share``.
-5. ``crossing`` (both): objects pickled for another process, with the fds
+   their files, other big buffers as the loader's copies, what
+   ``fastload.share`` made as its memfd.
+8. ``crossing`` (both): objects pickled for another process, with the fds
    of what stays shared (DataLoader's sharing semantics); a session's
    bytes in a memfd; packing a loader's session for its start method.
-6. ``entry`` (child): what every child runs first: set up as its parent
+9. ``entry`` (child): what every child runs first: set up as its parent
    asked, call its entry point, leave a death note if that fails.
-7. ``zygote`` (child): the zygote process (the fork server is one): its
+10. ``zygote`` (child): the zygote process (the fork server is one): its
    serve loop, forking workers and zygotes, preloading a session, importing
    a loader's modules ahead.
-8. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
+11. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
    the header from a pipe, then become a zygote or run a worker.
-9. ``spawn`` (main): starting a fresh interpreter that never runs
+12. ``spawn`` (main): starting a fresh interpreter that never runs
    ``__main__`` (real spawn), and what every such start shares: the
    header, the environment, a process group of the child's own.
-10. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
+13. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
    a zygote as the main process sees it: started as a fresh interpreter,
    asked to fork workers and zygotes, to preload a session, to stop.
-11. ``lineage`` (main): the training process's fork servers (started at
+14. ``lineage`` (main): the training process's fork servers (started at
     ``import fastload`` or by the first loader, ending with the process or
     ``fastload.shutdown()``) and the loaders' leases on them, and
     :class:`~fastload.launching.lineage.Lineage`, the zygotes one pool

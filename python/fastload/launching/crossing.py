@@ -54,7 +54,8 @@ import torch  # noqa: F401 - registers torch.multiprocessing's reducers (_sharin
 
 from .. import _pickling
 from . import references
-from .references import Packing, SharedBuffers
+from .buffer_copies import SharedBuffers
+from .references import Packing
 from ..errors import add_note
 from .start_methods import default_context, launcher_of
 
