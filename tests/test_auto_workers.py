@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import fastload
 from fastload import FastLoader
-from fastload.autoscale import cores_available, initial_workers
+from fastload.stats.autoscale import cores_available, initial_workers
 from support.datasets import Plain, SlowProbe
 
 START = initial_workers(cores_available())
@@ -140,7 +140,7 @@ def test_a_worker_that_cannot_be_started_keeps_the_count(monkeypatch: pytest.Mon
                                                          caplog: pytest.LogCaptureFixture) -> None:
     # Out of processes (EAGAIN from fork) when the rule asks for more: a
     # warning, the epoch goes on with the workers it has, every index once.
-    from fastload.pool import WorkerPool
+    from fastload.pool.worker_pool import WorkerPool
 
     def grow(self: Any, n: int) -> List[int]:
         raise OSError(11, "Resource temporarily unavailable")

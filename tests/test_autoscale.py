@@ -1,4 +1,4 @@
-"""``num_workers="auto"``'s rule (:class:`fastload.autoscale.WorkerCountPolicy`)
+"""``num_workers="auto"``'s rule (:class:`fastload.stats.autoscale.WorkerCountPolicy`)
 on made-up windows, and the CPU clock it reads workers with."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from fastload.autoscale import (CpuClock, Window, WorkerCountPolicy, initial_workers,
+from fastload.stats.autoscale import (CpuClock, Window, WorkerCountPolicy, initial_workers,
                                 worker_cap)
 
 

@@ -1,4 +1,4 @@
-"""fastload.launching.crossing: what shares, what copies, and the fds that travel.
+"""fastload.launching.parcels: what shares, what copies, and the fds that travel.
 
 Round trips in one process (pack, then unpack with the parcel's own fds, as
 a worker would with the fds it received): shared objects come back sharing
@@ -15,7 +15,7 @@ from multiprocessing import reduction
 import pytest
 import torch
 
-from fastload.launching import crossing
+from fastload.launching import parcels as crossing
 
 
 def _round_trip(obj):

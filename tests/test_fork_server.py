@@ -1,4 +1,4 @@
-"""The fork server's life (``fastload.launching.lineage``), in scripts run as
+"""The fork server's life (``fastload.launching.fork_server``), in scripts run as
 users run them: it starts at ``import fastload`` in the script's own process
 only, serves every loader of the process, and ends with the process, SIGKILL
 included, even while a child forked from it lives on.
@@ -39,7 +39,7 @@ def _server_pid_after_import(tmp_path, code: str = "", **env: str) -> List[Optio
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""\
         import fastload
-        from fastload.launching.lineage import fork_server_pid
+        from fastload.launching.fork_server import fork_server_pid
         print(fork_server_pid(True), flush=True)
         """) + textwrap.dedent(code))
     p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(**env),
@@ -81,7 +81,7 @@ def test_the_server_ends_when_the_process_is_killed_even_with_a_forked_child_ali
     script.write_text(textwrap.dedent("""\
         import multiprocessing, time
         import fastload
-        from fastload.launching.lineage import fork_server_pid
+        from fastload.launching.fork_server import fork_server_pid
         from support.datasets import Plain
 
         if __name__ == "__main__":

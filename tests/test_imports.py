@@ -163,9 +163,9 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path, monkeypatch):
 def test_fastload_has_no_import_cycle():
     graph = _graph("fastload")
     # The graph is read right: edges known to exist are there.
-    assert "fastload.launching.zygote" in graph["fastload.launching.boot"]
-    assert "fastload.launching.crossing" in graph["fastload.worker"]
-    assert "fastload.transport.overflow" in graph["fastload.ledger"]
+    assert "fastload.launching.zygote_main" in graph["fastload.launching.boot"]
+    assert "fastload.launching.parcels" in graph["fastload.worker.loop"]
+    assert "fastload.transport.overflow" in graph["fastload.pool.ledger"]
     new = [c for c in _cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
     assert not new, "import cycles: " + " | ".join(_describe(graph, c) for c in new)
 
@@ -201,3 +201,74 @@ def test_a_package_keeps_its_documented_order(package: str) -> None:
         assert v not in mine and v != package, \
             f"{package} imports {sorted(outside)}, and one of them leads back into it ({v})"
         todo.extend(graph[v])
+
+
+def _unit(module: str) -> str:
+    """The part of fastload a module belongs to: its subpackage
+    (``fastload.pool`` for ``fastload.pool.ledger``) or, at the top level,
+    the module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _unit_graph(graph: Graph) -> Dict[str, Set[str]]:
+    units: Dict[str, Set[str]] = {}
+    for module, targets in graph.items():
+        if not module.startswith("fastload") or module == "fastload":
+            continue  # the package's __init__: the public surface imports every layer
+        for target in targets:
+            if target.startswith("fastload.") and _unit(target) != _unit(module):
+                units.setdefault(_unit(module), set()).add(_unit(target))
+        units.setdefault(_unit(module), set())
+    return units
+
+
+# What runs where decides who may import whom: code that runs in a worker
+# never needs the main process's pool or iterators; the pool (a ring and
+# its processes) is used by the iterators and never uses them; the leaves
+# below are used by every layer and use none of them, nor the modules that
+# consume the whole loader.
+CONSUMERS = {"fastload.loader", "fastload.install", "fastload.debug", "fastload.run_report",
+             "fastload.__main__", "fastload.bench"}
+MAY_NOT_IMPORT = {
+    "fastload.worker": {"fastload.pool", "fastload.iterator", *CONSUMERS},
+    "fastload.pool": {"fastload.iterator", *CONSUMERS},
+    "fastload.iterator": CONSUMERS - {"fastload.bench"},
+    **{leaf: {"fastload.worker", "fastload.pool", "fastload.iterator", *CONSUMERS}
+       for leaf in ("fastload.launching", "fastload.transport", "fastload.resume",
+                    "fastload.stats", "fastload.device", "fastload.debug_views",
+                    "fastload.protocol", "fastload.errors")},
+}
+
+
+def test_subpackages_import_in_one_direction() -> None:
+    """Taken as wholes, fastload's subpackages and top-level modules form no
+    cycle: none is both imported by a part below it and importing a part
+    above it. And the layers keep to what their processes need."""
+    units = _unit_graph(_graph("fastload"))
+    assert {"fastload.worker", "fastload.pool", "fastload.iterator"} <= set(units)
+    assert "fastload.pool" in units["fastload.iterator"]  # read right: a known edge
+    new = [c for c in _cycles({u: {t: [] for t in ts} for u, ts in units.items()})
+           if frozenset(c) not in {frozenset({"fastload.bench"})}]
+    assert not new, f"parts of fastload that import each other: {new}"
+    for unit, forbidden in MAY_NOT_IMPORT.items():
+        bad = units.get(unit, set()) & forbidden
+        assert not bad, f"{unit} imports {sorted(bad)}"
+
+
+def test_each_subpackage_says_its_job() -> None:
+    root = Path(importlib.import_module("fastload").__file__).parent  # type: ignore[arg-type]
+    subpackages = sorted(p.parent.name for p in root.glob("*/__init__.py"))
+    assert {"iterator", "pool", "worker", "resume", "stats", "device", "launching",
+            "transport"} <= set(subpackages)
+    for name in subpackages:
+        doc = importlib.import_module(f"fastload.{name}").__doc__
+        assert doc and doc.strip(), f"fastload.{name} has no docstring"
+        first = doc.strip().split("\n\n")[0]
+        assert first.rstrip().endswith("."), f"fastload.{name}: its job in one sentence first"
+
+
+def test_the_top_level_keeps_to_the_public_surface() -> None:
+    root = Path(importlib.import_module("fastload").__file__).parent  # type: ignore[arg-type]
+    modules = sorted(p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(modules) <= 12, f"{len(modules)} modules at the top level: {modules}"

@@ -27,7 +27,7 @@ from torch.utils.data.dataloader import (_MultiProcessingDataLoaderIter,
 
 import fastload
 from fastload import FastLoader
-from fastload.iterator import FastLoaderIter
+from fastload.iterator.multi_process import FastLoaderIter
 from fastload.debug import debug_view
 from fastload.loader import STATE_ATTR
 from support import equality as eq, torch_versions
@@ -529,7 +529,7 @@ def test_uninstall_lets_go_of_the_fork_server_which_runs_until_shutdown() -> Non
     """install() started the fork server (or found it running); uninstall()
     lets go of its lease, and the server runs on, as it would after the last
     loader, until the process ends or fastload.shutdown()."""
-    from fastload.launching.lineage import fork_server_pid
+    from fastload.launching.fork_server import fork_server_pid
     from support.processes import pid_alive, wait_pids_gone
 
     fastload.shutdown()  # none running (this process's import, or an earlier test, started one)

@@ -1,4 +1,4 @@
-"""The multi-process iterator (``fastload.iterator``) with no worker
+"""The multi-process iterator (``fastload.iterator.multi_process``) with no worker
 process: its pool is a fake (``support.fake_pool``) whose workers, played in
 this process, make each batch from the loader's dataset when the iterator
 waits, and which the test stalls or kills.

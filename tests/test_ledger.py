@@ -9,8 +9,8 @@ from typing import Iterator
 import pytest
 
 from fastload import _core
-from fastload.ledger import Role, SlotLedger
-from fastload.wire import FLAG_OVERFLOW, Kind, encode_fetch
+from fastload.pool.ledger import Role, SlotLedger
+from fastload.protocol import FLAG_OVERFLOW, Kind, encode_fetch
 from support.processes import open_fds
 from support.ring_driver import Channels, FakeWorker, new_ring
 

@@ -1,4 +1,4 @@
-"""Where a zygote pool's processes come from (``fastload.launching.lineage``),
+"""Where a zygote pool's processes come from (``fastload.launching.fork_server``),
 with no process: the fork servers and zygotes are fakes
 (``support.fake_zygotes``) that record what they are asked.
 
@@ -18,11 +18,11 @@ import os
 
 import pytest
 
-from fastload import teardown
-from fastload.launching.crossing import Parcel
-from fastload.launching.lineage import Lineage
+from fastload.pool import teardown
+from fastload.launching.parcels import Parcel
+from fastload.launching.fork_server import Lineage
 from fastload.launching.zygote_protocol import DECLINED, LOST, TAINTED
-from fastload.worker_handles import WorkerHandles
+from fastload.pool.handles import WorkerHandles
 from support.fake_zygotes import fake_servers
 from support.ring_driver import new_ring
 
@@ -102,8 +102,8 @@ def test_workers_inherit_the_session_their_zygote_preloaded_and_no_other() -> No
     zygote = lineage.current
     lineage.preload(Parcel(b"epoch 1"), timeout=None)
     assert zygote.preloads == [1] and lineage.preloaded == 1
-    child = lineage.fork(0, "fastload.worker:worker_main", Parcel(b"spec"))
-    assert child.zygote is zygote and child.target == "fastload.worker:worker_main"
+    child = lineage.fork(0, "fastload.worker.loop:worker_main", Parcel(b"spec"))
+    assert child.zygote is zygote and child.target == "fastload.worker.loop:worker_main"
     assert lineage.inherits(0) and not lineage.inherits(1)  # worker 1 was not forked
     lineage.preload(Parcel(b"epoch 2"), timeout=None)
     assert lineage.preloaded == 2 and not lineage.inherits(0)  # it holds epoch 1's

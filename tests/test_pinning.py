@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 import fastload
 from fastload import FastLoader
 from fastload.debug import debug_view
-from fastload.device import DevicePrefetcher, move_to
-from fastload.pinning import ReleaseGate
+from fastload.device.prefetch import DevicePrefetcher, move_to
+from fastload.device.pinning import ReleaseGate
 from support.datasets import GrowingRows, Plain
 from support.faults import Misbehave
 
@@ -432,7 +432,7 @@ def test_move_to_keeps_structure() -> None:
 
 
 def test_the_real_runtime_s_events_let_a_waiting_loader_sleep(monkeypatch) -> None:
-    from fastload.pinning import CudaRuntime
+    from fastload.device.pinning import CudaRuntime
 
     made: List[Dict[str, Any]] = []
     monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(kw))

@@ -5,7 +5,7 @@ which workers start, what replacing, growing, shrinking and stopping do to
 their processes, channels and queues, and what a session sends them.
 
 Zygote pools (workers forked afresh for each session) start real zygotes
-through :class:`fastload.launching.lineage.Lineage`; ``test_zygote.py``
+through :class:`fastload.launching.fork_server.Lineage`; ``test_zygote.py``
 covers them with real processes."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import pytest
 
 from fastload import _core
-from fastload.launching import crossing
-from fastload.ledger import Role
-from fastload.pool import WorkerPool
-from fastload.wire import SessionTask, decode_task, recv_session_fds
-from fastload.worker import WorkerSpec
+from fastload.launching import parcels as crossing
+from fastload.pool.ledger import Role
+from fastload.pool.worker_pool import WorkerPool
+from fastload.protocol import SessionTask, decode_task, recv_session_fds
+from fastload.protocol import WorkerSpec
 from support.processes import open_fds
 from support.ring_driver import FakeWorker
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
-from fastload.process_state import ProcessState
+from fastload.inherited import ProcessState
 
 VAR = "FASTLOAD_TEST_SETTING"
 GONE = "FASTLOAD_TEST_GONE"
@@ -160,7 +160,7 @@ import sys
 import torch
 from torch.utils.data import Dataset
 import fastload
-from fastload.process_state import set_deterministic
+from fastload.inherited import set_deterministic
 
 
 class Snoop(Dataset):

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import fastload
 from fastload import FastLoader, SharedSequence
-from fastload.launching import crossing, memfds, references
+from fastload.launching import memfds, references
+from fastload.launching import parcels as crossing
 from fastload.launching.buffer_copies import SharedBuffers
 
 from support import NW

@@ -507,7 +507,7 @@ def test_the_private_names_resume_relies_on() -> None:
     capture falls back to get_state(), and this test says so)."""
     from torch.utils.data import _DatasetKind
 
-    from fastload import resume
+    from fastload.resume import book as resume
 
     fetcher = _DatasetKind.create_fetcher(_DatasetKind.Iterable, Stream(6), True,
                                           lambda b: [int(x[0]) for x in b], False)
@@ -540,7 +540,7 @@ def test_an_iter_that_fails_leaves_the_loaded_state(nw: int, monkeypatch) -> Non
     resumed = make()
     resumed.load_state_dict(sd)
     if nw:
-        import fastload.iterator as where
+        import fastload.iterator.multi_process as where
         target, name = where.FastLoaderIter, "_open_pool"
     else:
         import torch.utils.data.dataloader as where

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 import fastload
 from fastload import FastLoader, LoaderStats
-from fastload.epoch_meter import EpochMeter, _bucket, _bucket_middle, _quantiles
-from fastload.loader_stats import SlowBatch, advice
+from fastload.stats.meter import EpochMeter, _bucket, _bucket_middle, _quantiles
+from fastload.stats.loader_stats import SlowBatch, advice
 from fastload.run_report import ReportHandler, format_report
 from support.datasets import BigSample, Plain, Straggler
 from support.faults import Misbehave

@@ -12,9 +12,10 @@ from typing import Any, List
 
 import pytest
 
-from fastload import WorkerHangError, supervisor
-from fastload.ledger import Record, Role
-from fastload.supervisor import Supervisor, WorkerLost
+from fastload import WorkerHangError
+from fastload.pool import supervisor
+from fastload.pool.ledger import Record, Role
+from fastload.pool.supervisor import Supervisor, WorkerLost
 from support.fake_pool import FakePool
 from support.ring_driver import FakeWorker
 

@@ -19,12 +19,12 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from fastload import _core
-from fastload.ledger import Role, SlotLedger
+from fastload.pool.ledger import Role, SlotLedger
 from fastload.transport.overflow import send as send_segment
 from fastload.transport.format import split_trailer, trailer
 from fastload.transport.reader import SlotReader, read_batch
 from fastload.transport.writer import SlotWriter
-from fastload.wire import FLAG_OVERFLOW, Kind
+from fastload.protocol import FLAG_OVERFLOW, Kind
 from support.processes import open_fds
 from support.ring_driver import Channels, FakeWorker, new_ring
 
@@ -136,7 +136,7 @@ def test_out_of_band_buffers_of_numpy_arrays() -> None:
 
 class RingWay:
     """A ring of 4 slots and one worker, played by the test with a
-    :class:`SlotWriter` over its side of the payload, as ``worker.py`` does."""
+    :class:`SlotWriter` over its side of the payload, as ``worker/loop.py`` does."""
 
     def __init__(self, held_batches: int = 4) -> None:
         self.ring = new_ring(4, 1)

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 import fastload
 from fastload import FastLoader
 from fastload.debug import debug_view
-from fastload.launching.lineage import fork_servers_held
-from fastload.loader_state import loader_modules
+from fastload.launching.fork_server import fork_servers_held
+from fastload.iterator.loader_runtime import loader_modules
 from support import NW
 from support.datasets import ACCEL_VARS, EnvProbe, Plain
 from support.faults import Misbehave, UnpicklesWith
@@ -319,7 +319,7 @@ def test_what_workers_put_to_a_multiprocessing_queue_arrives(cls):
 
 
 def test_the_private_multiprocessing_exit_function_workers_run():
-    # fastload.worker runs it as a worker ends (see the test above); it is
+    # fastload.worker.loop runs it as a worker ends (see the test above); it is
     # not public API, so this pins what fastload relies on.
     import inspect
     import multiprocessing.util

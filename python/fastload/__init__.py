@@ -17,11 +17,11 @@ set-up; the server lives until the process ends, or :func:`shutdown`
 
 from .errors import WorkerHangError
 from .install import install, installed, uninstall
-from .launching.lineage import shutdown
-from .launching.lineage import start_at_import as _start_at_import
+from .launching.fork_server import shutdown
+from .launching.fork_server import start_at_import as _start_at_import
 from .launching.share import SharedSequence, share
 from .loader import FastLoader, stats
-from .loader_stats import LoaderStats, Percentiles, SlowBatch
+from .stats.loader_stats import LoaderStats, Percentiles, SlowBatch
 
 __all__ = ["FastLoader", "LoaderStats", "Percentiles", "SharedSequence", "SlowBatch",
            "WorkerHangError", "install", "installed", "share", "shutdown", "stats", "uninstall",

@@ -27,7 +27,7 @@ from typing import Any, overload
 from torch.utils.data import DataLoader
 
 from .debug_views import IteratorView, LoaderView, PoolView, RingView
-from .iterator import FastLoaderIter
+from .iterator.multi_process import FastLoaderIter
 from .loader import loader_view
 
 __all__ = ["debug_view", "IteratorView", "LoaderView", "PoolView", "RingView"]

@@ -26,11 +26,11 @@ from typing import Any, Callable, List, Optional
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .iterator import FastLoaderIter
-from .autoscale import AUTO
-from .launching.lineage import ServerLease, lease_fork_server
+from .iterator.multi_process import FastLoaderIter
+from .stats.autoscale import AUTO
+from .launching.fork_server import ServerLease, lease_fork_server
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .loader_state import LoaderState, release_lease
+from .iterator.loader_runtime import LoaderState, release_lease
 
 __all__ = ["install", "uninstall", "installed"]
 

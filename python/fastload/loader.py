@@ -6,7 +6,7 @@ are DataLoader's own code, so they cannot drift. With workers, its iterator
 follows ``_MultiProcessingDataLoaderIter`` step for step (task order,
 round-robin over active workers, prefetching, IterableDataset exhaustion,
 persistent workers) but batches travel through the shared-memory ring of
-:mod:`fastload.pool` instead of pickled queues.
+:mod:`fastload.pool.worker_pool` instead of pickled queues.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, 
                               SequentialSampler)
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import resume_format
+from .resume import format as resume_format
 from .debug_views import LoaderView
 from .errors import add_note
-from .device import StreamOps
-from .iterator import FastLoaderIter
-from .single_process import SingleProcessIter
-from .autoscale import AUTO, cores_available, initial_workers
-from .loader_stats import LoaderStats
-from .pinning import DeviceRuntime
-from .loader_state import LoaderOptions, LoaderState, loader_modules, release_lease
+from .device.prefetch import StreamOps
+from .iterator.multi_process import FastLoaderIter
+from .iterator.single_process import SingleProcessIter
+from .stats.autoscale import AUTO, cores_available, initial_workers
+from .stats.loader_stats import LoaderStats
+from .device.pinning import DeviceRuntime
+from .iterator.loader_runtime import LoaderOptions, LoaderState, loader_modules, release_lease
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR", "stats"]
 
@@ -75,7 +75,7 @@ class FastLoader(DataLoader[T_co]):
     Args:
         num_workers: as DataLoader's, or ``"auto"``: fastload chooses the
             count and keeps choosing it between batches (see
-            :mod:`fastload.autoscale`): it starts from half the cores (2 to
+            :mod:`fastload.stats.autoscale`): it starts from half the cores (2 to
             8; ``loader.num_workers`` says which), adds workers while the
             loop waits and the workers are busy, as many as the cores the
             loop leaves can run (workers that wait on I/O take little CPU, so

@@ -1,6 +1,6 @@
 """``python -m fastload run --report``: a table per loader when the script ends.
 
-Each loader's :class:`fastload.epoch_meter.EpochMeter` announces itself on
+Each loader's :class:`fastload.stats.meter.EpochMeter` announces itself on
 the ``fastload.stats`` logger when an epoch begins; :class:`ReportHandler`
 keeps the meters it hears of (small objects holding figures, not loaders)
 and :func:`format_report` prints their epochs, including one the script
@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Dict, List
 
-from .epoch_meter import EpochMeter, stats_log
-from .loader_stats import LoaderStats, WAIT_SHARE_TO_REPORT, advice
+from .stats.meter import EpochMeter, stats_log
+from .stats.loader_stats import LoaderStats, WAIT_SHARE_TO_REPORT, advice
 
 __all__ = ["ReportHandler", "format_report"]
 

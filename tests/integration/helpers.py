@@ -214,5 +214,5 @@ def json_result(result: subprocess.CompletedProcess) -> Dict[str, Any]:
                 f"--- stdout\n{tail(result.stdout)}\n--- stderr\n{tail(result.stderr)}")
 
 
-FASTLOAD_ITER = "fastload.iterator.FastLoaderIter"
+FASTLOAD_ITER = "fastload.iterator.multi_process.FastLoaderIter"
 TORCH_ITER = "torch.utils.data.dataloader._MultiProcessingDataLoaderIter"

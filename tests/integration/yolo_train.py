@@ -213,7 +213,7 @@ def main() -> int:
             runs[mode] = json.loads(out.read_text())
 
     plain = runs["plain"]
-    ok = runs["fastload"]["iterator"] == "fastload.iterator.FastLoaderIter"
+    ok = runs["fastload"]["iterator"] == "fastload.iterator.multi_process.FastLoaderIter"
     print()
     for mode, run in runs.items():
         batches = sum(len(h) for h in run["hashes"])

@@ -23,7 +23,7 @@
   test's own process, for the iterator and the supervisor with no worker
   process; ``DrivenLoader``, a DataLoader iterated by fastload over it.
 * :mod:`support.fake_zygotes` -- fork servers and zygotes that record what
-  they are asked, for ``fastload.launching.lineage``.
+  they are asked, for ``fastload.launching.fork_server``.
 * :mod:`support.torch_versions` -- which of DataLoader's arguments and
   behaviours the installed torch has (the suite runs on torch 2.1 to the
   newest).

@@ -2,8 +2,8 @@
 side's parts with no worker process (the iterator, the supervisor).
 
 :class:`FakePool` has what those parts ask of a
-:class:`fastload.pool.WorkerPool`: a real ring and
-:class:`~fastload.ledger.SlotLedger`, and worker processes that are
+:class:`fastload.pool.worker_pool.WorkerPool`: a real ring and
+:class:`~fastload.pool.ledger.SlotLedger`, and worker processes that are
 :class:`~support.ring_driver.FakeWorker`\\ s, whose deaths, stacks and
 replacements the test makes up. Its workers work only while the main side
 waits on the ring (:class:`DrivenRing`), which is when a real main process
@@ -27,11 +27,11 @@ from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils import ExceptionWrapper
 
 from fastload import _core
-from fastload.iterator import FastLoaderIter
-from fastload.ledger import Role, SlotLedger
-from fastload.loader_state import LoaderOptions, LoaderState
+from fastload.iterator.multi_process import FastLoaderIter
+from fastload.pool.ledger import Role, SlotLedger
+from fastload.iterator.loader_runtime import LoaderOptions, LoaderState
 from fastload.transport.overflow import OverflowSegments
-from fastload.wire import SessionTask, encode_session
+from fastload.protocol import SessionTask, encode_session
 
 from .ring_driver import SLOT_BYTES, FakeWorker
 
@@ -85,7 +85,7 @@ class DrivenRing:
 
 class FakePool:
     """What the iterator and the supervisor ask of a pool (see the module's
-    docstring). Made with :class:`fastload.pool.WorkerPool`'s arguments;
+    docstring). Made with :class:`fastload.pool.worker_pool.WorkerPool`'s arguments;
     ``fetch(index)``: how a worker makes the batch of sampler output
     ``index`` (None: the test's workers make no batches)."""
 
@@ -212,10 +212,10 @@ class FakePool:
 
 class DrivenLoader(DataLoader):
     """A ``DataLoader`` whose multi-process iterator is fastload's
-    :class:`~fastload.iterator.FastLoaderIter` over :class:`FakePool`\\ s
+    :class:`~fastload.iterator.multi_process.FastLoaderIter` over :class:`FakePool`\\ s
     (``pools``, the newest last), whose workers make batches from this
     loader's dataset and ``collate_fn``. ``options``: fastload's own
-    (:class:`~fastload.loader_state.LoaderOptions`); no hang watchdog by
+    (:class:`~fastload.iterator.loader_runtime.LoaderOptions`); no hang watchdog by
     default, whose clock the fakes do not move."""
 
     def __init__(self, dataset: Any, *, options: Optional[Dict[str, Any]] = None,

@@ -1,12 +1,12 @@
 """Zygotes and fork servers played by the test, for tests of
-:mod:`fastload.launching.lineage` with no process.
+:mod:`fastload.launching.fork_server` with no process.
 
 :class:`FakeZygote` answers what the main process asks of a
-:class:`fastload.launching.zygote_client.Zygote` (fork a zygote, start a
+:class:`fastload.launching.zygote.Zygote` (fork a zygote, start a
 worker, preload a session and let go of it, import modules, stop) and
 records each request; the test sets what a preload answers and makes a
 zygote die. :func:`fake_servers` is a
-:class:`fastload.launching.lineage.ForkServers` whose servers are fakes.
+:class:`fastload.launching.fork_server.ForkServers` whose servers are fakes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, List, Optional, Tuple
 
-from fastload.launching.lineage import ForkServers
+from fastload.launching.fork_server import ForkServers
 from fastload.launching.zygote_protocol import PRELOADED
 
 _pids = itertools.count(90001)  # made-up pids, never signalled

@@ -19,13 +19,13 @@ def children() -> List[psutil.Process]:
 
     multiprocessing's resource tracker and its process-wide forkserver, and
     fastload's fork servers, are shared helpers that live as long as this
-    process (fastload.launching.lineage.fork_servers_held names the latter).
+    process (fastload.launching.fork_server.fork_servers_held names the latter).
     A pool's own zygote (forked from a fork server) is not: it must end with
     its pool.
     """
     from multiprocessing import forkserver
 
-    from fastload.launching.lineage import fork_servers_held
+    from fastload.launching.fork_server import fork_servers_held
 
     me = psutil.Process()
     out = []
@@ -84,7 +84,7 @@ def fds_left(before: set, timeout: float = 5.0) -> Dict[str, str]:
     seconds (objects the collector frees close theirs meanwhile). Those this
     process holds for its fork servers, which outlive every loader by
     design, are not counted."""
-    from fastload.launching.lineage import fork_servers_held
+    from fastload.launching.fork_server import fork_servers_held
 
     deadline = time.monotonic() + timeout
     while True:

@@ -36,7 +36,7 @@ import json, os, sys, time
 import torch
 t0 = time.perf_counter()
 import fastload
-from fastload.launching.lineage import fork_server_pid
+from fastload.launching.fork_server import fork_server_pid
 t1 = time.perf_counter()
 
 t = time.perf_counter()

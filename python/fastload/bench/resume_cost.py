@@ -8,7 +8,7 @@
   (``split_trailer`` + ``ResumeBook.taken``), on real captures.
 * ``worker_us_per_batch``: what a worker does per batch: capture its
   generators and pickle the capture, with numpy's generator untouched by the
-  batch and drawn from by it (the slow case, see ``resume.Capturer``).
+  batch and drawn from by it (the slow case, see ``fastload.resume.capture.Capturer``).
 
 The main-process figure is compared with the main process's whole CPU time
 per batch on ``tiny`` in the report (the benchmark's "main CPU" column).
@@ -34,7 +34,8 @@ def _per_call_us(fn: Callable[[], Any], seconds: float = 0.3) -> float:
 def measure_resume_cost(workers: int = 8, prefetch: int = 4, calls: int = 200) -> Dict[str, Any]:
     import numpy as np
 
-    from .. import FastLoader, resume
+    from ..resume import book, capture
+    from .. import FastLoader
     from ..transport.format import split_trailer, trailer
     from .workloads import WORKLOADS
 
@@ -55,15 +56,15 @@ def measure_resume_cost(workers: int = 8, prefetch: int = 4, calls: int = 200) -
     size = len(__import__("pickle").dumps(sd))
     del it, loader
 
-    cap = resume.Capturer()
+    cap = capture.Capturer()
     meta = b"\0" * 600 + trailer(cap.capture(0))  # a tiny batch's meta is a few hundred bytes
-    book = resume.ResumeBook(workers)
-    book.new_epoch({})
+    resume_book = book.ResumeBook(workers)
+    resume_book.new_epoch({})
     count = [0]
 
     def main_side() -> None:
         _meta, snap = split_trailer(meta)
-        book.taken(count[0] % workers, count[0], snap, count[0])
+        resume_book.taken(count[0] % workers, count[0], snap, count[0])
         count[0] += 1
 
     def numpy_used() -> bytes:

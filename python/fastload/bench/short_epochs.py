@@ -104,7 +104,7 @@ def run_one(spec: Dict[str, Any]) -> Dict[str, Any]:
                               pin_memory=device.type == "cuda")
     timers: Dict[str, _Timer] = {}
     if spec["mode"] == "fastload":
-        from fastload import pinning
+        from fastload.device import pinning
 
         timers = {"register": _Timer(pinning.PinnedRing, "_register"),
                   "copy_wait": _Timer(pinning.ReleaseGate, "wait_one")}

@@ -1,6 +1,6 @@
 """What the loader's own figures (``FastLoader.stats()``) cost per batch.
 
-Everything :mod:`fastload.epoch_meter` does per batch, run in a loop with
+Everything :mod:`fastload.stats.meter` does per batch, run in a loop with
 nothing else: in the main process, the four clock reads around ``next()``
 and the batch's reading plus :meth:`EpochMeter.made` and
 :meth:`EpochMeter.delivered`; in a worker, two clock reads. The main-process
@@ -19,7 +19,7 @@ TARGET_SHARE = 0.01
 
 
 def measure_stats_cost(workers: int = 8) -> Dict[str, Any]:
-    from ..epoch_meter import EpochMeter
+    from ..stats.meter import EpochMeter
 
     meter = EpochMeter()
     meter.begin(workers, "bench")

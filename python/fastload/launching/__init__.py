@@ -2,8 +2,8 @@
 
 Everything that starts a process for fastload, or runs first in one it
 started, lives in this package. The pool that owns a loader's workers
-(:mod:`fastload.pool`, stopped by :mod:`fastload.teardown`) and the worker
-loop (:mod:`fastload.worker`) use it from outside; nothing here imports
+(:mod:`fastload.pool.worker_pool`, stopped by :mod:`fastload.pool.teardown`) and the worker
+loop (:mod:`fastload.worker.loop`) use it from outside; nothing here imports
 them. From the rest of fastload the package imports only
 :mod:`fastload._pickling` and :mod:`fastload.errors`.
 docs/design.md, "Starting workers", tells the story these modules implement.
@@ -33,12 +33,13 @@ zygote, a worker).
    tensors moved once into a memfd, memory-mapped arrays mapped again from
    their files, other big buffers as the loader's copies, what
    ``fastload.share`` made as its memfd.
-8. ``crossing`` (both): objects pickled for another process, with the fds
-   of what stays shared (DataLoader's sharing semantics); a session's
-   bytes in a memfd; packing a loader's session for its start method.
+8. ``parcels`` (both): a parcel is an object pickled for another process
+   together with the fds of what stays shared (DataLoader's sharing
+   semantics); a session's bytes in a memfd; packing a loader's session
+   for its start method.
 9. ``entry`` (child): what every child runs first: set up as its parent
    asked, call its entry point, leave a death note if that fails.
-10. ``zygote`` (child): the zygote process (the fork server is one): its
+10. ``zygote_main`` (child): the zygote process (the fork server is one): its
    serve loop, forking workers and zygotes, preloading a session, importing
    a loader's modules ahead.
 11. ``boot`` (child): the ``python -c`` entry of a fresh interpreter: read
@@ -46,12 +47,12 @@ zygote, a worker).
 12. ``spawn`` (main): starting a fresh interpreter that never runs
    ``__main__`` (real spawn), and what every such start shares: the
    header, the environment, a process group of the child's own.
-13. ``zygote_client`` (main): :class:`~fastload.launching.zygote_client.Zygote`,
+13. ``zygote`` (main): :class:`~fastload.launching.zygote.Zygote`,
    a zygote as the main process sees it: started as a fresh interpreter,
    asked to fork workers and zygotes, to preload a session, to stop.
-14. ``lineage`` (main): the training process's fork servers (started at
+14. ``fork_server`` (main): the training process's fork servers (started at
     ``import fastload`` or by the first loader, ending with the process or
     ``fastload.shutdown()``) and the loaders' leases on them, and
-    :class:`~fastload.launching.lineage.Lineage`, the zygotes one pool
+    :class:`~fastload.launching.fork_server.Lineage`, the zygotes one pool
     forks its workers from and the session the current one holds.
 """

@@ -1,10 +1,10 @@
 """The first code that runs in a fresh interpreter fastload starts.
 
 :func:`fastload.launching.spawn.spawn` and
-:class:`fastload.launching.zygote_client.Zygote` start ``python -c "import
+:class:`fastload.launching.zygote.Zygote` start ``python -c "import
 fastload.launching.boot as b; b.boot(FD)"``; :func:`boot` reads the child's
 *header* (a pickle the main side writes) from pipe ``FD`` and either becomes
-the zygote (:func:`fastload.launching.zygote.serve`) or runs a worker's
+the zygote (:func:`fastload.launching.zygote_main.serve`) or runs a worker's
 entry point (:func:`fastload.launching.entry.run`).
 """
 
@@ -15,7 +15,7 @@ import pickle
 import signal
 
 from .entry import run
-from .zygote import serve
+from .zygote_main import serve
 
 __all__ = ["boot"]
 

@@ -2,7 +2,7 @@
 
 :class:`Child` stands for a worker started by
 :func:`fastload.launching.spawn.spawn` or forked by a
-:class:`fastload.launching.zygote_client.Zygote`, in the main process. It
+:class:`fastload.launching.zygote.Zygote`, in the main process. It
 quacks like ``multiprocessing.Process`` where the pool needs it: ``pid``,
 ``exitcode`` (negative for a signal), ``is_alive()``, ``join()``,
 ``terminate()``, ``kill()``. A spawned child is watched through its
@@ -32,7 +32,7 @@ NOTE_MAX = 1 << 16  # the most of a death note that is kept
 class ExitReports(Protocol):
     """What a :class:`Child` forked by a zygote asks of it: the exit codes
     it reports for the processes it reaped (a
-    :class:`fastload.launching.zygote_client.Zygote` is one)."""
+    :class:`fastload.launching.zygote.Zygote` is one)."""
 
     @property
     def alive(self) -> bool:

@@ -1,7 +1,7 @@
 """What every child fastload starts runs first: set up, then the entry point.
 
 A spawned worker (through :func:`fastload.launching.boot.boot`) and a worker
-a zygote forks (:mod:`fastload.launching.zygote`) both call :func:`run`
+a zygote forks (:mod:`fastload.launching.zygote_main`) both call :func:`run`
 with their *header*, a dict the main side pickled for them
 (:func:`fastload.launching.spawn.child_header`). :func:`run` sets ``sys.path``,
 ``sys.argv`` and the ``multiprocessing`` authkey as the parent has them
@@ -19,7 +19,7 @@ import sys
 import traceback
 from typing import Any, Dict, Sequence
 
-from . import crossing
+from . import parcels
 from .child import NOTE_MAX
 
 __all__ = ["run"]
@@ -40,7 +40,7 @@ def run(header: Dict[str, Any], fds: Sequence[int]) -> int:
         me = multiprocessing.current_process()
         me.authkey = header["authkey"]  # managers and mp connections check it
         target = _import(header["target"])
-        arg = crossing.unpack(header["data"], fds)
+        arg = parcels.unpack(header["data"], fds)
         target(arg)
         return 0
     except SystemExit as e:

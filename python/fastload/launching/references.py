@@ -4,7 +4,7 @@ Under ``fork``, a worker sees the training process's memory as it is: a
 dataset holding a 2 GiB tensor, a numpy array or a memory-mapped token file
 costs nothing more per worker, and nothing per epoch. Pickled by value, the
 same dataset would be copied into every epoch's session and unpickled there.
-While :func:`fastload.launching.crossing.pack` pickles a session, this
+While :func:`fastload.launching.parcels.pack` pickles a session, this
 module sends such data by reference instead (main process side), and maps it
 again on the other side (worker side):
 
@@ -197,7 +197,7 @@ def _buffer_storage(view: memoryview) -> torch.UntypedStorage:
 
 
 class Packing:
-    """What one :func:`fastload.launching.crossing.pack` sends by reference
+    """What one :func:`fastload.launching.parcels.pack` sends by reference
     (main process): the storages and buffers met so far, so that each is
     sent once however many objects view it, and the pickle-5 buffers sent
     out of band. ``buffers``: the loader's copies (None: big arrays and

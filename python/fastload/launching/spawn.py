@@ -6,7 +6,7 @@ parent's ``__main__`` (the script, as ``__mp_main__``): a script without an
 worker, and a worker that builds a loader there dies with "An attempt has been
 made to start a new process before the current process has finished its
 bootstrapping phase". fastload's workers need nothing from ``__main__``:
-everything they use travels by value (:mod:`fastload.launching.crossing`).
+everything they use travels by value (:mod:`fastload.launching.parcels`).
 So fastload starts its children itself, each a fresh interpreter running
 :data:`BOOT_COMMAND`: :func:`fastload.launching.boot.boot` reads the child's
 *header* (:func:`child_header`) from a pipe, sets ``sys.path`` and
@@ -15,7 +15,7 @@ Two launchers start them:
 
 * :func:`spawn` — a fresh interpreter per worker. Real spawn: nothing is
   inherited but the fds named in the header.
-* :class:`fastload.launching.zygote_client.Zygote` — one such interpreter
+* :class:`fastload.launching.zygote.Zygote` — one such interpreter
   that imports torch once and then forks a worker per request.
 
 Both put the child in a process group of its own: Ctrl-C at the terminal
@@ -43,7 +43,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Mapping, Optional
 
-from . import crossing
+from . import parcels
 from .child import Child, note_pipe
 
 __all__ = ["spawn", "child_header", "child_env", "hidden_env", "ACCELERATOR_ENV",
@@ -63,7 +63,7 @@ BOOT_COMMAND = "import fastload.launching.boot as b; b.boot({fd})"
 ZYGOTE_BOOT_COMMAND = BOOT_COMMAND + "  # fastload zygote"
 
 
-def child_header(target: str, note_fd: int, parcel: crossing.Parcel) -> bytes:
+def child_header(target: str, note_fd: int, parcel: parcels.Parcel) -> bytes:
     """What a child needs before anything else: the parent's import path and
     argv (spawn's preparation data, without the main module), the entry
     point, the death-note fd and the parcel's fd numbers."""
@@ -94,7 +94,7 @@ def child_env(env: Optional[Mapping[str, str]]) -> Dict[str, str]:
     return out
 
 
-def spawn(target: str, parcel: crossing.Parcel, env: Optional[Mapping[str, str]] = None) -> Child:
+def spawn(target: str, parcel: parcels.Parcel, env: Optional[Mapping[str, str]] = None) -> Child:
     """Start ``target(unpacked parcel)`` (``"module:function"``) in a fresh
     interpreter; ``env`` is overlaid on this process's environment."""
     note_r, note_w = note_pipe()

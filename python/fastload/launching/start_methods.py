@@ -1,7 +1,7 @@
 """Which launcher a loader's ``multiprocessing_context`` stands for.
 
 ``multiprocessing_context=None`` (the default) is :data:`ZYGOTE`: workers
-forked from a zygote of the pool's own (:mod:`fastload.launching.lineage`).
+forked from a zygote of the pool's own (:mod:`fastload.launching.fork_server`).
 ``'forkserver'`` means the same. An explicit ``'spawn'`` is real spawn
 (:func:`fastload.launching.spawn.spawn`), and ``'fork'`` (or any context
 that forks) forks this process through ``multiprocessing``, as DataLoader

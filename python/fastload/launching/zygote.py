@@ -1,412 +1,389 @@
-"""The zygote process: fastload's fork server, the side that forks.
+"""A zygote as the main process sees it: start one, have it fork workers.
 
-:class:`fastload.launching.zygote_client.Zygote` (in the main process)
-starts a fresh interpreter whose :func:`fastload.launching.boot.boot` calls
-:func:`serve`. It imports torch (and what else it is told to preload), turns
-its garbage collector off, and then serves requests on its control socket
-until the main process closes it. The requests it answers and the messages
-it sends are described in :mod:`fastload.launching.zygote_protocol`.
+:class:`Zygote` starts a fresh interpreter, as :mod:`fastload.launching.spawn`
+starts one (in a process group of its own, never running ``__main__``),
+that imports torch once and then forks a worker per request: a fork server
+of fastload's own. The process itself runs :mod:`fastload.launching.zygote_main`;
+the two talk as :mod:`fastload.launching.zygote_protocol` says. Workers
+share torch's pages and start in milliseconds; like spawned ones they
+inherit nothing from the training process. A zygote can also *preload* a
+session (:meth:`Zygote.preload`): it unpickles the session's ``(dataset,
+collate_fn, ...)`` once, and the workers forked afterwards inherit it,
+sharing its pages copy-on-write as forked DataLoader workers share the
+training process's (the garbage collector, off in the zygote, freezes what a
+worker inherits: ``gc.freeze()``). :meth:`Zygote.fork_zygote` forks another
+zygote from one in milliseconds: the training process's fork server makes
+each pool's zygote so (:mod:`fastload.launching.fork_server`).
 
-One spawned interpreter is the *fork server* of the training process
-(:func:`fastload.launching.lineage.fork_server`): it imports torch once, and every
-pool's zygote is forked from it, so a second, third, tenth loader starts
-its workers in milliseconds instead of importing torch again.
-
-A preloaded session is held in this module (:func:`preloaded` reads it in
-a forked worker) and shared copy-on-write with the workers forked after it;
-the gc recipe that keeps those pages shared is described in :func:`serve`.
-When unpickling the session opens files, the zygote declines to hold it;
-when it starts threads or a GPU context, the zygote is *tainted*: no longer
-safe to fork from, so the main side replaces it.
+A worker it forks is a :class:`fastload.launching.child.Child`, a handle that
+quacks like ``multiprocessing.Process`` and reads the child's death note.
 """
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import gc
-import hashlib
 import multiprocessing
 import os
 import pickle
 import select
-import signal
 import socket
+import subprocess
 import sys
-import traceback
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple
+import threading
+import time
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import crossing
-from .entry import run
-from .zygote_protocol import (DECLINED, EXITED, FORGET_REQ, IMPORT_REQ, MAX_FDS, MODULES,
-                              MODULES_MAX, PRELOAD, PRELOAD_REQ, PRELOADED, STARTED, TAINTED,
-                              UNPICKLING, WHY_MAX, ZYGOTE_REQ)
+from . import parcels
+from .child import Child, note_pipe
+from .parcels import memfd_of
+from .spawn import OWN_PROCESS_GROUP, ZYGOTE_BOOT_COMMAND, child_env, child_header
+from .zygote_protocol import (DECLINED, EXITED, FORGET_REQ, IMPORT_REQ, LOST, MAX_FDS, MODULES,
+                              MODULES_MAX, PRELOAD, PRELOAD_REQ, STARTED, UNPICKLING, ZYGOTE_REQ)
 
-__all__ = ["serve", "preloaded"]
+__all__ = ["Zygote", "ZYGOTE_PRELOAD"]
 
-# In a zygote: the session it preloaded, (token, objects); inherited by the
-# workers it forks. None when it holds none.
-_preloaded: Optional[Tuple[int, Any]] = None
-# In a zygote: the digest of the bytes and the identities of the fds of the session it
-# holds (or held, until its workers were retired), and that session's objects:
-# an identical session sent next is not unpickled again (see _preload).
-_last: Optional[Tuple[bytes, List[Tuple[int, int]], Any]] = None
-# In a zygote: why it is no longer safe to fork from after an import request
-# ("" while it is), answered to its next preload.
-_import_taint = ""
+# What the zygote imports before it forks.
+ZYGOTE_PRELOAD = ("torch", "fastload.worker.loop")
 
 
-def preloaded(token: int) -> Any:
-    """In a worker forked from a zygote: the session the zygote had
-    preloaded when it forked it, which must be the one numbered ``token``."""
-    if _preloaded is None or _preloaded[0] != token:
-        have = None if _preloaded is None else _preloaded[0]
-        raise RuntimeError(f"fastload: this worker was forked without the session it was told "
-                           f"to inherit (session {token}; the zygote held {have})")
-    return _preloaded[1]
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _fds() -> Dict[str, str]:
-    """This process's open fds and what they are (the listing's own left out)."""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own fd, closed since
-            continue
-    return out
-
-
-def _opened_since(before: Dict[str, str]) -> List[str]:
-    """Files this process opened since ``before`` (a :func:`_fds` snapshot)
-    and holds, other than shared memory (which is meant to be shared)."""
-    return [target for fd, target in sorted(_fds().items(), key=lambda kv: int(kv[0]))
-            if before.get(fd) != target
-            and not target.startswith(("/dev/shm/", "/memfd:", "/proc/"))]
-
-
-def _tainted_by(threads_before: int, cause: str = "unpickling the session") -> str:
-    """Why this zygote is no longer safe to fork from after ``cause``, or ``""``."""
-    if _threads() > threads_before:
-        return f"{cause} started threads in the zygote"
-    torch = sys.modules.get("torch")
+def _std_streams() -> List[int]:
+    """This process's stdout and stderr fds as they are now (both, or none
+    if either is closed), for a zygote forked from a server started
+    earlier: its workers write where this process writes now."""
     try:
-        if torch is not None and torch.cuda.is_initialized():
-            return f"{cause} initialised CUDA in the zygote"
-    except Exception:  # noqa: BLE001
-        pass
-    return ""
-
-
-def _forget() -> None:
-    """In the zygote: drop the session held, its memory back to the system."""
-    global _preloaded, _last
-    _preloaded = _last = None  # the last session's objects go, but for reference cycles:
-    gc.collect()  # the zygote's collector is off (see serve); everything else is frozen
-
-
-def _retire() -> None:
-    """In the zygote: the workers of the session held are retired; no
-    worker is forked with it again. Its objects are kept, unused, in case
-    the next session is the same (the next epoch of an unchanged dataset):
-    it then costs no unpickling (a dataset that reopens files or builds
-    indexes in ``__setstate__`` pays that at every epoch otherwise)."""
-    global _preloaded
-    _preloaded = None
-
-
-def _identities(fds: List[int]) -> List[Tuple[int, int]]:
-    """What each fd refers to: the same memfd or file sent again (a dataset's
-    tensors, its buffers' copies) has the same identity."""
-    out = []
-    for fd in fds:
-        st = os.fstat(fd)
-        out.append((st.st_dev, st.st_ino))
-    return out
-
-
-def _preload(head: Dict[str, Any], fds: List[int],
-             starting: Callable[[], Any]) -> Tuple[int, str, List[str]]:
-    """In the zygote: drop the session held, unpickle the one sent (``fds``:
-    its blob's memfd, then the fds it refers to; all ours to close) and hold
-    it, frozen, if workers may share it (see
-    fastload.launching.zygote_client.Zygote.preload).
-    ``starting`` is called as unpickling starts (the caller's time limit
-    starts then)."""
-    global _preloaded, _last
-    shared = fds[1:]
-    try:
-        data = crossing.read_memfd(fds[0])
-        identities = _identities(shared)
-    except BaseException as e:  # noqa: BLE001
-        for fd in shared:
-            os.close(fd)
-        _forget()
-        return DECLINED, f"reading the session failed: {e}", []
-    digest = hashlib.blake2b(data).digest()
-    if _last is not None and _last[0] == digest and _last[1] == identities:
-        # The same bytes referring to the same shared memory and files: the
-        # same objects, unpickled already.
-        for fd in shared:
-            os.close(fd)
-        _preloaded = (head["token"], _last[2])
-        return PRELOADED, "", []
-    _forget()
-    gc.freeze()  # what stays (modules the last session imported) stays for good
-    outcome, why = DECLINED, ""
-    imports: List[str] = []
-    try:
-        sys.path[:] = head["sys_path"]
-        sys.argv[:] = head["sys_argv"]
-        multiprocessing.current_process().authkey = head["authkey"]
-        threads, before = _threads(), _fds()
-        starting()
-        with _recording_imports(imports):
-            session = crossing.unpack(data, shared)  # closes the fds nobody took
-        del data
-        why = _tainted_by(threads)
-        if why:
-            outcome = TAINTED
-        else:
-            opened = _opened_since(before)
-            if opened:
-                why = f"unpickling the session opened {', '.join(opened[:4])}"
-            else:
-                _preloaded = (head["token"], session)
-                _last = (digest, identities, session)
-                outcome = PRELOADED
-        del session
-    except BaseException as e:  # noqa: BLE001 - the workers will meet it again and report it
-        outcome, why = DECLINED, f"unpickling the session failed: {type(e).__name__}: {e}"
-    # All of them, those this zygote had already (imported ahead, see
-    # IMPORT_REQ) included: the fork server may not have them.
-    return outcome, why, list(dict.fromkeys(imports)) if outcome == PRELOADED else []
-
-
-@contextlib.contextmanager
-def _recording_imports(out: List[str]) -> Iterator[None]:
-    """Record in ``out`` the modules imported directly (not by other
-    modules' imports) while the block runs, in order: what unpickling asks
-    ``__import__`` for. Imported in that order elsewhere (the fork server),
-    they run the same module code in the same order: importing every module
-    that ends up loaded, one by one, would not (a library that configures
-    another before importing it, as Ultralytics sets OpenCV's threads)."""
-    original = builtins.__import__
-    depth = 0
-
-    def recording(name: str, globals: Any = None, locals: Any = None,
-                  fromlist: Any = (), level: int = 0) -> Any:
-        nonlocal depth
-        if depth == 0 and level == 0:
-            out.append(name)
-        depth += 1
-        try:
-            return original(name, globals, locals, fromlist, level)
-        finally:
-            depth -= 1
-
-    builtins.__import__ = recording
-    try:
-        yield
-    finally:
-        builtins.__import__ = original
-
-
-def serve(header: Dict[str, Any]) -> None:
-    """The zygote's loop (in the zygote process): answer requests until the
-    main process closes the control socket."""
-    _prepare(header)
-    _serve(socket.socket(fileno=header["ctl"]))
-
-
-def _serve(ctl: socket.socket) -> None:
-    children: Dict[int, int] = {}  # pidfd -> pid, workers and zygotes
-    zygotes: Set[int] = set()  # the pids of zygotes forked from this one
-    while True:
-        ready, _w, _x = select.select([ctl, *children], [], [])
-        for fd in ready:
-            if fd is not ctl:
-                zygotes.discard(_report_exit(ctl, children, fd))
-                continue
-            try:
-                msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 20, MAX_FDS + 3)
-            except OSError:
-                msg, fds = b"", []
-            if not msg:  # the training process stopped us, or died
-                _end_children({pfd: pid for pfd, pid in children.items() if pid not in zygotes})
-                ctl.close()
-                return
-            if msg[:1] == PRELOAD_REQ:
-                _answer_preload(ctl, msg, fds)
-            elif msg == FORGET_REQ:
-                _retire()
-            elif msg[:1] == IMPORT_REQ:
-                _import(msg)
-            elif msg == ZYGOTE_REQ:
-                zygotes.add(_fork(ctl, fds, children, _be_zygote, msg))
-            else:
-                _fork(ctl, fds, children, _be_worker, msg)
-
-
-def _prepare(header: Dict[str, Any]) -> None:
-    """Import what workers share, then stop the collector from touching it."""
-    sys.path[:] = header["sys_path"]
-    os.close(header["note_fd"])
-    # The zygote reaps its workers and reports their exit status: a SIGCHLD
-    # ignored in the training process (SIG_IGN survives exec) would have the
-    # kernel reap them, the status lost and waitpid() failing.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for name in header["preload"]:
-        try:
-            __import__(name)
-        except ImportError:
-            traceback.print_exc()
-    # Python's recipe for sharing pages with forked children: the collector
-    # off here (a collection writes to every object it scans, which would
-    # copy the pages a worker shares with us), objects frozen in the child
-    # before it turns the collector back on. Torch's are frozen once here;
-    # a preloaded session's stay unfrozen here, so that the next preload
-    # can collect what reference cycles it leaves without rescanning torch.
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-
-
-def _import(msg: bytes) -> None:
-    """Import the modules the request ``msg`` names (see IMPORT_REQ)."""
-    global _import_taint
-    head = pickle.loads(msg[1:])
-    sys.path[:] = head["sys_path"]
-    threads, before = _threads(), _fds()
-    for name in head["modules"]:
-        try:
-            __import__(name)
-        except BaseException:  # noqa: BLE001 - the session meets it again and reports it
-            pass
-    cause = "importing the loader's modules"
-    why = _tainted_by(threads, cause)
-    opened = _opened_since(before)
-    if opened and not why:  # workers forked from here would share the files' offsets
-        why = f"{cause} opened {', '.join(opened[:4])}"
-    if why and not _import_taint:
-        _import_taint = why
-    # The modules stay for good, as torch's do (see _prepare): frozen, so
-    # that no process forked from here scans (and copies) their pages when
-    # it collects.
-    gc.collect()
-    gc.freeze()
-
-
-def _answer_preload(ctl: socket.socket, msg: bytes, fds: List[int]) -> None:
-    """Preload the session request ``msg`` sends and answer with the outcome."""
-    head = pickle.loads(msg[1:])
-    if _import_taint:
-        for fd in fds:
-            os.close(fd)
-        _send(ctl, PRELOAD.pack(b"P", head["token"], TAINTED) + _import_taint.encode()[:WHY_MAX])
-        return
-    outcome, why, names = _preload(head, fds, lambda: _send(
-        ctl, PRELOAD.pack(UNPICKLING, head["token"], 0)))
-    if names:
-        data = MODULES + pickle.dumps(names, protocol=pickle.HIGHEST_PROTOCOL)
-        while len(data) > MODULES_MAX:  # keep the first imported: they import the rest
-            names = names[: len(names) // 2]
-            data = MODULES + pickle.dumps(names, protocol=pickle.HIGHEST_PROTOCOL)
-        _send(ctl, data)
-    _send(ctl, PRELOAD.pack(b"P", head["token"], outcome) + why.encode(errors="replace")[:WHY_MAX])
-
-
-def _send(ctl: socket.socket, data: bytes) -> None:
-    """Send to the training process; if it is gone (killed while this
-    zygote was busy), say nothing: the serve loop reads its end next and
-    stops."""
-    try:
-        ctl.send(data)
+        os.fstat(1)
+        os.fstat(2)
     except OSError:
-        pass
+        return []
+    return [1, 2]
 
 
-def _fork(ctl: socket.socket, fds: List[int], children: Dict[int, int],
-          be: Callable[[socket.socket, bytes, List[int], Dict[int, int]], NoReturn],
-          msg: bytes) -> int:
-    """Fork the child request ``msg`` asks for (a worker, or a zygote: see
-    :func:`_be_worker`, :func:`_be_zygote`; ``fds`` are the child's), tell
-    the main process its pid, and return it."""
-    pid = os.fork()
-    if pid == 0:
-        be(ctl, msg, fds, children)
-    for f in fds:
-        os.close(f)
-    children[os.pidfd_open(pid)] = pid
-    _send(ctl, STARTED.pack(b"S", pid))
-    return pid
+class Zygote:
+    """A fork server of fastload's own: a process that has imported torch
+    and forks a worker per :meth:`start` request.
 
+    The constructor launches one as a fresh interpreter, without waiting for
+    it: it imports torch while the caller goes on (the training process's
+    fork server, started when the first loader is constructed, while the
+    script builds its model); the first request waits until it is ready.
+    :meth:`fork_zygote` forks another from it in milliseconds, sharing what
+    it imported: each pool's own zygote is made so. A zygote ends with
+    :meth:`stop`, or when the training process dies (its control socket
+    closes).
+    """
 
-def _be_zygote(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
-    """In a zygote forked from the fork server: drop the server's sockets and
-    children, take the training process's stdout and stderr (``fds[2:4]``,
-    if sent), then serve the control socket in ``fds[0]`` (``fds[1]``: a
-    death note it does not need); never returns."""
-    global _preloaded, _last
-    code = 1
-    try:
-        ctl.close()
-        for pfd in children:
-            os.close(pfd)
-        for fd, std in zip(fds[2:4], (1, 2)):
-            os.dup2(fd, std)
-            os.close(fd)
-        os.close(fds[1])
-        _preloaded = _last = None  # (an import taint of the server's is inherited, and told)
-        _serve(socket.socket(fileno=fds[0]))
-        code = 0
-    except BaseException:  # noqa: BLE001 - shown on stderr; the main side sees the exit
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-
-
-def _be_worker(ctl: socket.socket, msg: bytes, fds: List[int], children: Dict[int, int]) -> NoReturn:
-    """In the forked worker: drop the zygote's fds, freeze what it inherited
-    (the preloaded session included), run the entry point; never returns."""
-    code = 1
-    try:
-        ctl.close()
-        for pfd in children:
-            os.close(pfd)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        gc.freeze()  # what it inherited, the session included
-        gc.enable()
-        h = pickle.loads(msg)
-        h["note_fd"] = fds[0]
-        code = run(h, fds[1:])
-    finally:
-        os._exit(code)
-
-
-def _report_exit(ctl: socket.socket, children: Dict[int, int], pidfd: int) -> int:
-    """Reap the child whose pidfd turned readable, report its exit code and
-    return its pid."""
-    pid = children.pop(pidfd)
-    os.close(pidfd)
-    _pid, status = os.waitpid(pid, 0)
-    _send(ctl, EXITED.pack(b"X", pid, os.waitstatus_to_exitcode(status)))
-    return pid
-
-
-def _end_children(children: Dict[int, int]) -> None:
-    """Kill and reap every worker still running (the main process is gone or stopping us)."""
-    for pid in children.values():
+    def __init__(self, hide_accelerators: bool, env: Optional[Mapping[str, str]] = None,
+                 preload: Sequence[str] = ZYGOTE_PRELOAD) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        note_r, note_w = note_pipe()
+        r, w = os.pipe()
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for pid in children.values():
+            header = pickle.dumps({"target": "zygote", "preload": list(preload),
+                                   "ctl": theirs.fileno(), "sys_path": list(sys.path),
+                                   "note_fd": note_w}, protocol=pickle.HIGHEST_PROTOCOL)
+            popen = subprocess.Popen(
+                [sys.executable, "-c", ZYGOTE_BOOT_COMMAND.format(fd=r)],
+                pass_fds=(r, theirs.fileno(), note_w), env=child_env(env), **OWN_PROCESS_GROUP,
+            )
+        except BaseException:
+            for fd in (r, w, note_r, note_w):
+                os.close(fd)
+            mine.close()
+            theirs.close()
+            raise
+        os.close(r)
+        os.close(note_w)
+        theirs.close()
+        with os.fdopen(w, "wb") as f:
+            f.write(header)
+        self._adopt(hide_accelerators, mine, Child(popen.pid, note_r, popen=popen), None)
+
+    def _adopt(self, hide_accelerators: bool, ctl: socket.socket, proc: Optional[Child],
+               server: Optional["Zygote"], pending: Optional[Tuple[int, int]] = None) -> None:
+        self.hide_accelerators = hide_accelerators  # how its environment was set at start
+        self._owner_pid = os.getpid()  # a forked copy of this object must not stop it
+        self._lock = threading.Lock()
+        self._exited: Dict[int, int] = {}
+        self.alive = True
+        self._ctl = ctl
+        self._proc_handle = proc
+        # Forked on a request whose answer was not read yet: (ticket, note fd).
+        self._pending = pending
+        self.server = server  # the zygote this one was forked from, if any
+        # The modules its last preload imported (zygote_protocol's MODULES).
+        self.session_imports: List[str] = []
+        # Requests answered by STARTED are numbered (tickets) in the order
+        # sent; answers come in that order and are filed by ticket, so a
+        # request may be sent before an earlier one's answer is read.
+        self._sent = 0
+        self._answered = 0
+        self._started: Dict[int, int] = {}
+
+    @property
+    def _proc(self) -> Child:
+        """The zygote's process; for one forked on a request sent earlier,
+        read from its server's answer now (waiting for the server if it is
+        still importing torch)."""
+        if self._proc_handle is None:
+            assert self.server is not None and self._pending is not None
+            ticket, note_r = self._pending
+            server = self.server
+            with server._lock:
+                pid = server._read_until_started(ticket)
+            self._pending = None
+            self._proc_handle = Child(pid, note_r, zygote=server)
+        return self._proc_handle
+
+    def fork_zygote(self, wait: bool = True) -> "Zygote":
+        """A new zygote forked from this one: it shares the modules this one
+        imported and holds no session, and takes this process's stdout and
+        stderr as they are now; its parent (this one) reaps it.
+        Requests may be sent to it at once (its control socket holds them
+        until it runs). ``wait``: wait for this one to fork it (which waits
+        for this one to be ready, Ctrl-C interrupting the wait); else the
+        answer is read when its pid is first needed."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        note_r, note_w = note_pipe()
         try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
+            with self._lock:
+                if not self.alive:
+                    raise RuntimeError("fastload: the fork server is gone")
+                socket.send_fds(self._ctl, [ZYGOTE_REQ],
+                                [theirs.fileno(), note_w, *_std_streams()])
+                ticket = self._sent
+                self._sent += 1
+                theirs.close()
+                os.close(note_w)
+                note_w = -1
+        except BaseException:
+            mine.close()
+            theirs.close()
+            os.close(note_r)
+            if note_w >= 0:
+                os.close(note_w)
+            raise
+        zygote = Zygote.__new__(Zygote)
+        zygote._adopt(self.hide_accelerators, mine, None, self, (ticket, note_r))
+        if wait:
+            try:
+                zygote._proc
+            except BaseException:
+                zygote.stop()
+                raise
+        return zygote
+
+    def warm_imports(self, modules: Sequence[str]) -> None:
+        """Have the zygote import ``modules`` now, in the background (see
+        zygote_protocol's IMPORT_REQ); no answer is read."""
+        if not modules:
+            return
+        msg = IMPORT_REQ + pickle.dumps({"sys_path": list(sys.path), "modules": list(modules)},
+                                        protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if self.alive and os.getpid() == self._owner_pid:
+                try:
+                    self._ctl.send(msg)
+                except OSError:
+                    pass  # gone: whoever uses it next finds out
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Its pid while it runs; None once it was stopped."""
+        return self._proc.pid if self.alive else None
+
+    @property
+    def launched_pid(self) -> int:
+        """Its pid, also after it is gone (for diagnostics)."""
+        return self._proc.pid
+
+    def held_fds(self) -> List[int]:
+        """The fds this process holds for the zygote (its control socket,
+        its process's handle), while it is not stopped."""
+        if not self.alive:
+            return []
+        fds = [self._ctl.fileno()]
+        if self._proc_handle is not None:
+            fds += self._proc_handle.held_fds()
+        return [fd for fd in fds if fd >= 0]
+
+    def close_inherited(self) -> None:
+        """In a process forked from the owner: close this process's copy of
+        the control socket, so that the zygote's life does not depend on
+        this process (the zygote ends when every copy is closed). Takes no
+        lock: a forked child runs one thread, and the lock may have been
+        held by another thread of the parent as it forked."""
+        if os.getpid() == self._owner_pid:
+            return
+        self.alive = False
+        try:
+            self._ctl.close()
+        except OSError:
             pass
+
+    def gone(self) -> bool:
+        """Whether the zygote has exited (or was stopped, or its server died
+        before forking it)."""
+        try:
+            return not self.alive or self._proc.exitcode is not None
+        except RuntimeError:
+            return True
+
+    def get_start_method(self) -> str:
+        return "zygote"
+
+    def start(self, target: str, parcel: parcels.Parcel) -> Child:
+        """Fork a worker running ``target(unpacked parcel)``; waits for the
+        zygote to be ready (Ctrl-C interrupts the wait)."""
+        note_r, note_w = note_pipe()
+        try:
+            header = child_header(target, -1, parcel)
+            fds = [note_w, *parcel.fds]
+            if len(fds) > MAX_FDS:
+                raise ValueError(f"fastload: a worker's start-up needs {len(fds)} fds; "
+                                 f"at most {MAX_FDS} can be passed")
+            with self._lock:
+                if not self.alive:
+                    raise RuntimeError("fastload: the zygote is gone")
+                socket.send_fds(self._ctl, [header], fds)
+                ticket = self._sent
+                self._sent += 1
+                os.close(note_w)
+                note_w = -1
+                pid = self._read_until_started(ticket)
+        except BaseException:
+            os.close(note_r)
+            if note_w >= 0:
+                os.close(note_w)
+            raise
+        return Child(pid, note_r, zygote=self)
+
+    def _read_until_started(self, ticket: int) -> int:
+        """The pid the answer to request ``ticket`` carries (caller holds the lock)."""
+        while ticket not in self._started:
+            msg = self._recv(None)
+            if msg is None:
+                code = self._proc.exitcode
+                raise RuntimeError(
+                    "fastload: the zygote (the process workers are forked from) exited "
+                    f"with code {code} before starting a process it was asked for; its "
+                    "stderr says why")
+        return self._started.pop(ticket)
+
+    def preload(self, parcel: parcels.Parcel, token: int,
+                timeout: Optional[float] = None) -> Tuple[int, str]:
+        """Have the zygote unpickle session ``parcel`` (as :func:`crossing.
+        unpack` in a worker would) and hold it as session ``token``, in place
+        of the one it held; the workers it forks from then on inherit it
+        (:func:`fastload.launching.zygote_main.preloaded`). Returns the outcome (PRELOADED, DECLINED,
+        TAINTED, or LOST: the zygote died or did not answer within
+        ``timeout`` seconds) and, unless PRELOADED, why. Waits for the zygote
+        to be ready (Ctrl-C interrupts the wait)."""
+        fds = [-1, *parcel.fds]
+        if len(fds) > MAX_FDS:
+            return DECLINED, f"the session holds {len(fds) - 1} fds; at most {MAX_FDS - 1} can be passed"
+        me = multiprocessing.current_process()
+        head = PRELOAD_REQ + pickle.dumps({
+            "token": token, "sys_path": list(sys.path), "sys_argv": list(sys.argv),
+            "authkey": bytes(me.authkey)}, protocol=pickle.HIGHEST_PROTOCOL)
+        fds[0] = memfd_of(parcel.data)
+        try:
+            with self._lock:
+                if not self.alive:
+                    return LOST, "the zygote is gone"
+                socket.send_fds(self._ctl, [head], fds)
+                os.close(fds[0])
+                fds[0] = -1
+                deadline = None  # the clock starts when it starts unpickling
+                while True:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    msg = self._recv(left)
+                    if msg is None:
+                        return LOST, "the zygote exited while unpickling the session"
+                    if msg == b"":
+                        return LOST, f"the zygote did not unpickle the session within {timeout} s"
+                    if msg[:1] == MODULES:
+                        self.session_imports = pickle.loads(msg[1:])
+                        continue
+                    if msg[:1] not in (PRELOAD_REQ, UNPICKLING):
+                        continue  # an exit report
+                    kind, got, outcome = PRELOAD.unpack_from(msg)
+                    if got != token:
+                        continue  # about an earlier request (interrupted)
+                    if kind == PRELOAD_REQ:
+                        return outcome, msg[PRELOAD.size:].decode(errors="replace")
+                    if timeout is not None:
+                        deadline = time.monotonic() + timeout
+        finally:
+            if fds[0] >= 0:
+                os.close(fds[0])
+
+    def forget(self) -> None:
+        """Tell the zygote that no worker will be forked with its session
+        again (it does not answer). It keeps the session's objects unused, so
+        that the next session, if identical, is not unpickled again."""
+        with self._lock:
+            if self.alive and os.getpid() == self._owner_pid:
+                try:
+                    self._ctl.send(FORGET_REQ)
+                except OSError:
+                    pass  # gone: whoever forks from it next finds out
+
+    def _recv(self, timeout: Optional[float]) -> Optional[bytes]:
+        """One message (exit reports and start answers are filed on the way); None when the
+        zygote is gone or nothing came within ``timeout``."""
+        if timeout is not None and not select.select([self._ctl], [], [], timeout)[0]:
+            return b""
+        try:
+            msg = self._ctl.recv(MODULES_MAX)
+        except (ConnectionResetError, OSError):
+            msg = b""
+        if not msg:
+            self.alive = False
+            return None
+        if msg[:1] == b"X":
+            _x, pid, code = EXITED.unpack(msg)
+            self._exited[pid] = code
+        elif msg[:1] == b"S":  # filed by ticket, whoever reads it (see _read_until_started)
+            self._started[self._answered] = STARTED.unpack(msg)[1]
+            self._answered += 1
+        return msg
+
+    def exit_code(self, pid: int, wait: float = 0.0) -> Optional[int]:
+        """The exit code the zygote reported for ``pid``, if it has."""
+        if os.getpid() != self._owner_pid:
+            return None
+        with self._lock:
+            deadline = time.monotonic() + wait
+            while pid not in self._exited and self.alive:
+                left = deadline - time.monotonic()
+                msg = self._recv(max(0.0, left))
+                if msg == b"" and left <= 0:
+                    break
+            return self._exited.get(pid)
+
+    def stop(self) -> None:
+        """End the zygote now. Idempotent; a no-op in a process forked from
+        the owner. Its workers are the pool's to stop (a worker started by a
+        request whose answer never came, say on Ctrl-C, finds the ring shut
+        down and exits: workers never outlive their ring's shutdown)."""
+        if os.getpid() != self._owner_pid:
+            return
+        with self._lock:
+            self.alive = False
+            try:
+                self._ctl.close()
+            except OSError:
+                pass
+        if self._proc_handle is None:
+            # Its server has not answered yet (it may still be importing
+            # torch): the zygote, once forked, finds its socket closed and
+            # exits; the server reaps it.
+            if self._pending is not None:
+                os.close(self._pending[1])
+                self._pending = None
+            return
+        self._proc.kill()  # it may still be importing torch: no need to wait for that
+        if self.server is None:
+            self._proc.join()  # our child: reap it
+        # else its parent, the fork server, reaps it
+        self._proc.close()
+

@@ -1,7 +1,7 @@
 """The messages between the main process and a zygote, on its control socket.
 
-The zygote (:mod:`fastload.launching.zygote`, which serves) and
-:class:`fastload.launching.zygote_client.Zygote` (its handle in the main
+The zygote (:mod:`fastload.launching.zygote_main`, which serves) and
+:class:`fastload.launching.zygote.Zygote` (its handle in the main
 process, which asks) talk over a ``SOCK_SEQPACKET`` pair, one message per
 request or answer, the fds a request hands over travelling with it by
 ``SCM_RIGHTS``. Both sides take the message formats and limits below from
@@ -13,7 +13,7 @@ here:
   the child runs :func:`fastload.launching.entry.run`; the zygote answers
   :data:`STARTED` ``(b"S", pid)``.
 * **Preload** (main → zygote): :data:`PRELOAD_REQ` and a pickle of
-  ``{token, sys_path, sys_argv, authkey}``, with the session blob's memfd
+  ``{token, sys_path, sys_argv, authkey}``, with the session parcel's memfd
   and then the fds it refers to. The zygote answers :data:`UNPICKLING`
   ``(b"p", token, 0)`` as it starts unpickling (the main side's time limit
   starts then), then :data:`PRELOAD` ``(b"P", token, outcome)`` followed by
@@ -70,7 +70,7 @@ ZYGOTE_REQ = b"Z"  # fork a zygote serving a control socket of its own
 IMPORT_REQ = b"I"  # import modules a loader's session will need
 WHY_MAX = 1000
 
-# Outcomes of a preload (fastload.launching.zygote_client.Zygote.preload).
+# Outcomes of a preload (fastload.launching.zygote.Zygote.preload).
 PRELOADED = 0  # the zygote holds the session: workers forked now inherit it
 DECLINED = 1  # it could not or should not hold it: workers unpickle their own
 TAINTED = 2  # as DECLINED, and unpickling left threads (or a GPU context) in

@@ -5,8 +5,8 @@ the main process rebuilds it as tensors that view the slot. This package
 is that way, both ends side by side, as SPDL's arena keeps its writer and
 reader: the format both agree on, the worker's writer, the main process's
 reader. Which task a slot holds, when it is done and when it is freed is
-not its business: the ring's states and the ledger (:mod:`fastload.ledger`)
-decide that; the task and result protocol is :mod:`fastload.wire`.
+not its business: the ring's states and the ledger (:mod:`fastload.pool.ledger`)
+decide that; the task and result protocol is :mod:`fastload.protocol`.
 
 How a batch travels: the worker's :class:`~fastload.transport.writer.SlotWriter`
 has the default collate stack tensors straight into the slot, then pickles

@@ -1,6 +1,6 @@
 """The slot format: how a committed result lies in its slot (or an overflow segment).
 
-What a slot holds depends on the result's kind (:class:`fastload.wire.Kind`:
+What a slot holds depends on the result's kind (:class:`fastload.protocol.Kind`:
 the worker's answer to a task, part of the protocol, which the ledger and
 the iterator act on without reading the slot):
 
@@ -41,7 +41,7 @@ its batches keep all aliasing).
 The *trailer* is the worker's resume capture after the batch (or the
 error): a pickle, then its length as 4 bytes (:func:`trailer`); the main
 process cuts it off the meta (:func:`split_trailer`) and keeps it
-(NOTE [ Resume ] in :mod:`fastload.resume`).
+(NOTE [ Resume ] in :mod:`fastload.resume.book`).
 
 The main process rebuilds the batch with tensors and arrays that *view* the
 slot: :func:`fastload.transport.reader.read_batch` takes the byte buffers
@@ -52,7 +52,7 @@ the meta's leading tag, dtype codes, how a tensor's layout is written, the
 trailer). Which process calls what: :class:`fastload.transport.writer.SlotWriter`
 lives in workers; its reading side, :func:`fastload.transport.reader.read_batch`
 and :class:`fastload.transport.reader.SlotReader`, in the main process.
-Neither knows about the ring's states: ``worker.py`` and the ledger do.
+Neither knows about the ring's states: ``worker/loop.py`` and the ledger do.
 """
 
 from __future__ import annotations

@@ -22,14 +22,14 @@ import torch
 
 from .. import _core
 from ..errors import add_note, as_list, short_list
-from ..pinning import PinnedRing
-from ..wire import FLAG_OVERFLOW, Kind
+from ..device.pinning import PinnedRing
+from ..protocol import FLAG_OVERFLOW, Kind
 from .format import DTYPES, META_WITH_TABLES, split_trailer
 from .overflow import OverflowSegments
 
 
 class DoneBatch(Protocol):
-    """A batch's record as the reader reads it (a :class:`fastload.ledger.Record`:
+    """A batch's record as the reader reads it (a :class:`fastload.pool.ledger.Record`:
     the ledger imports this package, so the reader names what it reads)."""
 
     slot: int
@@ -41,7 +41,7 @@ class DoneBatch(Protocol):
 
 
 class Ledger(Protocol):
-    """What the reader asks of the slot ledger (:class:`fastload.ledger.SlotLedger`)."""
+    """What the reader asks of the slot ledger (:class:`fastload.pool.ledger.SlotLedger`)."""
 
     def taken(self, rec: Any) -> None: ...
 
@@ -66,7 +66,7 @@ class SlotReader:
         self.batch_bytes = 0  # bytes of the batch last read, to size slots
         self.copied = False  # the batch last read was copied out of its slot (held_batches)
         # The resume capture that came with the batch last taken (pickled; see
-        # fastload.resume): the worker's state when it had made that batch.
+        # fastload.resume.book): the worker's state when it had made that batch.
         self.snapshot: Optional[bytes] = None
 
     def take(self, rec: DoneBatch) -> Any:

@@ -19,7 +19,7 @@ epoch (a few tenths of a second and a few batches):
 
 A change is followed by a window that is not judged (new workers start).
 :class:`WorkerCountPolicy` is only the rule: the iterator measures the
-windows and changes the count (see ``iterator_auto.py``); :class:`CpuClock`
+windows and changes the count (see ``iterator/auto_count.py``); :class:`CpuClock`
 reads the workers' CPU time from ``/proc``.
 """
 

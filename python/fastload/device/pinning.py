@@ -36,7 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-from . import _core
+from .. import _core
 
 log = logging.getLogger("fastload")
 

@@ -34,9 +34,9 @@ not bytes, which ``weights_only`` loading refuses before torch 2.5.
 This module is the main process's side: what an epoch's order is drawn
 from (:func:`epoch_start`), drawing it again (:class:`Replay`), and each
 worker's last delivered capture (:class:`ResumeBook`). The workers' side,
-taking and putting back a capture, is :mod:`fastload.capture` (the capture
+taking and putting back a capture, is :mod:`fastload.resume.capture` (the capture
 travels as a trailer of the batch's meta, :mod:`fastload.transport.format`);
-the saved state's format and checks are :mod:`fastload.resume_format`.
+the saved state's format and checks are :mod:`fastload.resume.format`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ import torch
 
 from .capture import Capturer, CountingIter, tensor_bytes
 
-# The workers' side (fastload.capture) is named here too, for callers that
-# measure or test a capture's round trip through fastload.resume.
+# The workers' side (fastload.resume.capture) is named here too, for callers that
+# measure or test a capture's round trip through fastload.resume.book.
 __all__ = ["Capturer", "CountingIter", "global_generators_kept",
            "epoch_start", "Replay", "draw_base_seed", "draw_as_usual", "ResumeBook", "decode",
            "worker_resume"]
@@ -236,7 +236,7 @@ def worker_resume(state: Optional[Dict[str, Any]], mid_epoch: bool) -> Optional[
     return (capture_, skip)
 
 
-# A capture's generator states are raw bytes (see fastload.capture); a
+# A capture's generator states are raw bytes (see fastload.resume.capture); a
 # saved state holds them as uint8 tensors, which torch.load(weights_only=True)
 # reads on every torch (bytes only from torch 2.5 on).
 def _saved_capture(capture_: tuple) -> tuple:

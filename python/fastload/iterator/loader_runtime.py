@@ -23,16 +23,16 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from . import _core
-from .debug_views import IteratorView, LoaderView
-from .device import CudaStreamOps, StreamOps, resolve_device
-from .launching.zygote_client import Zygote
-from .launching.lineage import ServerLease, fork_server, fork_server_pid, lease_fork_server
-from .launching.buffer_copies import SharedBuffers
-from .launching.start_methods import ZYGOTE
-from .epoch_meter import EpochMeter
-from .pinning import DeviceRuntime, cuda_runtime_or_none
-from .pool import WorkerPool
+from .. import _core
+from ..debug_views import IteratorView, LoaderView
+from ..device.prefetch import CudaStreamOps, StreamOps, resolve_device
+from ..launching.zygote import Zygote
+from ..launching.fork_server import ServerLease, fork_server, fork_server_pid, lease_fork_server
+from ..launching.buffer_copies import SharedBuffers
+from ..launching.start_methods import ZYGOTE
+from ..stats.meter import EpochMeter
+from ..device.pinning import DeviceRuntime, cuda_runtime_or_none
+from ..pool.worker_pool import WorkerPool
 
 log = logging.getLogger("fastload")
 
@@ -52,7 +52,7 @@ class LoaderOptions:
     hang_timeout: Optional[float] = 300.0
     max_worker_restarts: int = 0
     device: Optional[torch.device] = None
-    auto_workers: bool = False  # num_workers="auto" (see fastload.autoscale)
+    auto_workers: bool = False  # num_workers="auto" (see fastload.stats.autoscale)
 
     def __post_init__(self) -> None:
         slot_bytes, hang_timeout = self.slot_bytes, self.hang_timeout
@@ -89,7 +89,7 @@ class LoaderState:
     Copies and pickles of a loader carry the options only: worker processes
     are not copied.
 
-    ``make_pool`` makes a new pool from :class:`fastload.pool.WorkerPool`'s
+    ``make_pool`` makes a new pool from :class:`fastload.pool.worker_pool.WorkerPool`'s
     arguments (tests pass one whose workers they play themselves).
     """
 
@@ -137,7 +137,7 @@ class LoaderState:
             return None
         if device.type == "cuda":
             return CudaStreamOps(device)
-        from .device import BlockingOps
+        from ..device.prefetch import BlockingOps
 
         return BlockingOps(device)
 

@@ -1,5 +1,5 @@
-"""Stopping a worker pool: what :meth:`fastload.pool.WorkerPool.shutdown`
-and the pool's finalizer run (NOTE [ Shutdown ] in iterator_workers.py).
+"""Stopping a worker pool: what :meth:`fastload.pool.worker_pool.WorkerPool.shutdown`
+and the pool's finalizer run (NOTE [ Shutdown ] in iterator/workers.py).
 
 The ring's shutdown flag first (every worker sees it at its next look at
 the ring and exits), then SIGTERM for a worker that does not stop within
@@ -15,11 +15,11 @@ import os
 import time
 from typing import Any, List, Sequence
 
-from . import _core
-from .deaths import exited_unseen
-from .launching.child import Child
-from .launching.zygote_client import Zygote
-from .worker_handles import WorkerHandles
+from .. import _core
+from .exits import exited_unseen
+from ..launching.child import Child
+from ..launching.zygote import Zygote
+from .handles import WorkerHandles
 
 log = logging.getLogger("fastload")
 

@@ -8,7 +8,7 @@ the launch the pool gives it, has the worker's death wake the ring's waits
 (its pidfd), and replaces or forgets a worker's handles, emptying its
 channel into the overflow segments first: a channel is never closed with a
 segment unread. It decides nothing: when workers are started, replaced,
-retired and stopped is :class:`fastload.pool.WorkerPool`'s to say.
+retired and stopped is :class:`fastload.pool.worker_pool.WorkerPool`'s to say.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import os
 import socket
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import _core
-from ._ring import FdHandle, RingHandle
-from .deaths import dump_stack, exited_unseen
-from .launching.child import Child
-from .transport.overflow import OverflowSegments
-from .worker import WorkerSpec
+from .. import _core
+from .._ring import FdHandle, RingHandle
+from .exits import dump_stack, exited_unseen
+from ..launching.child import Child
+from ..transport.overflow import OverflowSegments
+from ..protocol import WorkerSpec
 
 log = logging.getLogger("fastload")
 
@@ -155,7 +155,7 @@ class WorkerHandles:
     def exited(self, forked: bool) -> List[Tuple[int, int, Optional[int]]]:
         """(worker id, pid, exit code) of every worker that has exited; the
         code is None for a worker ``forked`` by multiprocessing whose status
-        is lost (:func:`~fastload.deaths.exited_unseen`)."""
+        is lost (:func:`~fastload.pool.exits.exited_unseen`)."""
         out: List[Tuple[int, int, Optional[int]]] = []
         for i, p in enumerate(self.procs):
             code = p.exitcode

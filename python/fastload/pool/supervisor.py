@@ -47,13 +47,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
-from . import resume
-from .errors import WorkerHangError, as_list, short_list
+from ..errors import WorkerHangError, as_list, short_list
 from .ledger import Record, Role, SlotLedger
-from .deaths import cpu_ticks, describe_exit
-from .pool import WorkerPool
+from .exits import cpu_ticks, describe_exit
+from .worker_pool import WorkerPool
 
 log = logging.getLogger("fastload")
 
@@ -230,19 +229,3 @@ class Supervisor:
         for rec in redo:
             self._ledger.reassign(rec, w)
 
-
-def restart_session(pool: WorkerPool, blob: Any, base_seed: int, book: resume.ResumeBook,
-                    reader: Any, worker: int) -> Record:
-    """The session of a replacement worker, its generators put back to where
-    the dead one's were after its last finished batch, so the batches it
-    makes again are the ones the dead worker would have made (see
-    NOTE [ Resume ] in fastload.resume)."""
-    finished = [r for r in pool.ledger.of_worker(worker) if r.role is Role.BATCH and
-                (r.done or pool.ring.is_ready(r.slot, r.seq))]
-    snapshot = book.made[worker]
-    if finished:
-        snapshot = reader.peek_snapshot(max(finished, key=lambda r: r.idx))
-    states: List[Any] = [None] * pool.capacity
-    if snapshot is not None:
-        states[worker] = (tuple(resume.decode(snapshot)), 0)
-    return pool.start_session(blob, base_seed, [worker], resume=states)[0]

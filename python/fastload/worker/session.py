@@ -1,11 +1,11 @@
 """One session of a worker: a dataset replica, its seeds and its fetcher.
 
-Runs in worker processes (:mod:`fastload.worker`). A session task gives
+Runs in worker processes (:mod:`fastload.worker.loop`). A session task gives
 the worker the session's objects (the dataset, ``collate_fn``,
 ``worker_init_fn``, ...: unpickled here, or inherited with the fork); the
 worker then seeds itself exactly as torch's ``_worker_loop`` does, runs
 ``worker_init_fn``, and, to resume, puts its generators and replica back to
-a capture (NOTE [ Resume ] in :mod:`fastload.resume`). After each batch the
+a capture (NOTE [ Resume ] in :mod:`fastload.resume.book`). After each batch the
 session captures that state again, as the trailer of the batch's meta.
 """
 
@@ -21,9 +21,9 @@ from torch.utils.data._utils import HAS_NUMPY
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.fetch import _BaseDatasetFetcher
 
-from .capture import Capturer, CountingIter
-from .capture import apply as apply_resume
-from .transport.format import trailer as resume_trailer
+from ..resume.capture import Capturer, CountingIter
+from ..resume.capture import apply as apply_resume
+from ..transport.format import trailer as resume_trailer
 
 __all__ = ["Session"]
 

@@ -1,6 +1,6 @@
 """A worker's resumable state: captured after each batch, put back on resume.
 
-Runs in worker processes (see NOTE [ Resume ] in :mod:`fastload.resume`).
+Runs in worker processes (see NOTE [ Resume ] in :mod:`fastload.resume.book`).
 After each batch, :class:`Capturer` takes the worker's ``random``, torch and
 numpy generator states and what its IterableDataset replica has given
 (:class:`CountingIter`, or the replica's own ``state_dict()``); the capture

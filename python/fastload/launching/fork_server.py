@@ -2,7 +2,7 @@
 
 ``multiprocessing_context=None`` (the default, see
 :mod:`fastload.launching.start_methods`) means workers forked from a zygote
-of the pool's own (:class:`fastload.launching.zygote_client.Zygote`),
+of the pool's own (:class:`fastload.launching.zygote.Zygote`),
 itself forked in milliseconds from the training process's *fork server*:
 one fresh interpreter that imports torch once (:func:`fork_server`), so that
 at most the first loader of a training process waits for torch's import.
@@ -26,10 +26,10 @@ import sys
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import crossing
+from . import parcels
 from .child import Child
 from .spawn import hidden_env
-from .zygote_client import Zygote
+from .zygote import Zygote
 from .zygote_protocol import DECLINED, PRELOADED
 
 log = logging.getLogger("fastload")
@@ -302,7 +302,7 @@ class Lineage:
         self._hide = hide_accelerators
         self._servers = servers if servers is not None else _FORK_SERVERS
         # The pool keeps the fork server running while it may need a zygote
-        # from it (released by the pool's teardown, fastload.teardown).
+        # from it (released by the pool's teardown, fastload.pool.teardown).
         self.lease = self._servers.lease(hide_accelerators)
         # Every zygote started for the pool, oldest first; the last is current.
         self.zygotes: List[Zygote] = [zygote if zygote is not None
@@ -326,7 +326,7 @@ class Lineage:
             self.zygotes.append(self._servers.start_zygote(self._hide))
         return self.current
 
-    def fork(self, worker: int, target: str, parcel: crossing.Parcel) -> Child:
+    def fork(self, worker: int, target: str, parcel: parcels.Parcel) -> Child:
         """Fork worker ``worker`` running ``target(parcel)`` from the current zygote."""
         zygote = self._live()
         child = zygote.start(target, parcel)
@@ -345,7 +345,7 @@ class Lineage:
         if holder is not None:
             holder.forget()
 
-    def preload(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
+    def preload(self, parcel: parcels.Parcel, timeout: Optional[float]) -> None:
         """A new session: have the current zygote unpickle ``parcel`` (within
         ``timeout`` s) so that the workers forked next inherit it. If it
         cannot, the workers unpickle their own from now on, and a zygote

@@ -9,13 +9,14 @@ import time
 import weakref
 from typing import Any, Dict, Optional
 
-from torch.utils.data import DataLoader, _DatasetKind
+from torch.utils.data import DataLoader, IterableDataset, _DatasetKind
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-from . import capture, resume
-from .device import DevicePrefetcher, StreamOps
-from .epoch_meter import loader_label, samples_in
-from .loader_state import LoaderState
+from ..resume import capture
+from ..resume import book
+from ..device.prefetch import DevicePrefetcher, StreamOps
+from ..stats.meter import loader_label, samples_in
+from .loader_runtime import LoaderState
 
 __all__ = ["SingleProcessIter"]
 
@@ -23,7 +24,7 @@ __all__ = ["SingleProcessIter"]
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     """``num_workers=0``: DataLoader's own iterator, with device prefetch
     (one batch copied ahead) when asked, and resume (NOTE [ Resume ] in
-    :mod:`fastload.resume`)."""
+    :mod:`fastload.resume.book`)."""
 
     def __init__(self, loader: DataLoader, state: LoaderState, ops: Optional[StreamOps]) -> None:
         self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
@@ -31,9 +32,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._meter.begin(0, loader_label(loader))
         self._meter_epoch = self._meter.epoch
         saved = state.take_resume()
-        stateful = loader._dataset_kind == _DatasetKind.Iterable and capture.is_stateful(loader.dataset)
+        stateful = (isinstance(loader.dataset, IterableDataset)  # DataLoader's _DatasetKind.Iterable
+                    and capture.is_stateful(loader.dataset))
         if saved is None:
-            self._start = resume.epoch_start(loader, None, True)
+            self._start = book.epoch_start(loader, None, True)
         else:
             self._start = saved["epoch_start"]
             if stateful and saved.get("dataset_state") is not None:
@@ -55,12 +57,12 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._base_seed = saved["base_seed"]
         # The sampler's own first draw waits for the first next(), as in any
         # iter(): nothing more is drawn here than the base seed above.
-        replay = resume.Replay(self._start)
+        replay = book.Replay(self._start)
         replay.rewind(loader)
         try:
             self._sampler_iter = iter(self._index_sampler)  # as DataLoader's iterator began:
             if self._start["first_iter"]:  # the sampler's iterator, then the base seed
-                resume.draw_base_seed(loader)
+                book.draw_base_seed(loader)
             self._fast_forward(int(saved["position"]), stateful)
         finally:
             replay.done()
@@ -75,7 +77,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         elif not stateful:
             # The skipped samples' draws from the global generators were made
             # before the state was saved: made again here, they do not count.
-            with resume.global_generators_kept():
+            with book.global_generators_kept():
                 for _ in range(batches):
                     self._dataset_fetcher.fetch(self._next_index())
         self._num_yielded = batches

@@ -118,7 +118,7 @@ class PassedFd:
         receiving = getattr(_receiving, "fds", None)
         if receiving is None:
             raise RuntimeError("fastload: a passed fd was unpickled outside "
-                               "fastload.launching.crossing.unpack")
+                               "fastload.launching.parcels.unpack")
         fd = receiving[self.index]
         if fd < 0:
             raise RuntimeError(f"fastload: passed fd {self.index} was detached twice")
@@ -284,7 +284,7 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     """The session a loader's workers get: ``payload`` = (process state,
     dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
     drop_last) packed for ``ctx``'s workers (the state first: see
-    :mod:`fastload.process_state`). Returns (parcel, context, None), or
+    :mod:`fastload.inherited`). Returns (parcel, context, None), or
     (None, a fork context, payload) where the workers are to be forked from
     this process with the objects themselves, never pickled, as DataLoader's
     are: under an explicit ``fork`` context (a dataset holding an open file,

@@ -12,7 +12,7 @@ Two kinds of message go between them (see docs/design.md, "The ring"):
     session. Unless ``inherited``, the pool has just sent the worker, over
     its socket, the memfd of the pickled ``(process state, dataset,
     collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)``
-    (:mod:`fastload.process_state`) followed by
+    (:mod:`fastload.inherited`) followed by
     the fds of what the dataset shares (:func:`send_session` / the worker's
     ``recv_session``). ``inherited``: the same objects came with the fork:
     from the training process (the worker's spec holds them), or, when
@@ -20,7 +20,7 @@ Two kinds of message go between them (see docs/design.md, "The ring"):
     that session before forking the worker (``zygote.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
     if ``resume`` (``(snapshot, samples to skip)`` from
-    :func:`fastload.resume.worker_resume`) is given, puts its
+    :func:`fastload.resume.book.worker_resume`) is given, puts its
     random generators and dataset replica back where they were.
   - ``(Op.FETCH, epoch, batch_idx, index)``: make one batch. A new
     ``epoch`` within a session is DataLoader's ``_ResumeIteration``.
@@ -43,10 +43,13 @@ from __future__ import annotations
 
 import enum
 import pickle
+import signal
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Any, List, Optional, Union
+
+from ._ring import FdHandle, RingHandle
 
 
 class Op(enum.IntEnum):
@@ -123,7 +126,7 @@ def decode_task(data: Any) -> Task:
 
 
 def send_session(sock: socket.socket, fds: List[int]) -> None:
-    """The session's fds (the blob's memfd first), in messages of at most
+    """The session's fds (the parcel's memfd first), in messages of at most
     SCM_RIGHTS' limit; :func:`recv_session_fds` reassembles them."""
     for k in range(0, len(fds), _MAX_FDS_PER_MSG):
         head = SESSION_HEAD.pack(b"S", len(fds)) if k == 0 else b"F"
@@ -142,3 +145,24 @@ def recv_session_fds(sock: socket.socket) -> List[int]:
             raise RuntimeError("fastload: the main process closed the worker channel")
         fds += got
     return fds
+
+
+# The signal a worker dumps its Python stack on (faulthandler), for the
+# main process's report of a hung worker (fastload.pool.exits).
+STACK_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class WorkerSpec:
+    """What one worker needs at start; small, pickled by the start method."""
+
+    ring: RingHandle
+    sock: socket.socket
+    worker_id: int
+    num_workers: int
+    parent_pid: int
+    hide_accelerators: bool
+    stack_file: FdHandle  # where the worker dumps its Python stack on STACK_SIGNAL
+    # (dataset, collate_fn, ...) itself, for workers forked from the main
+    # process when only fork can hand it over; else it comes per session.
+    session: Any = None

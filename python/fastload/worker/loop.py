@@ -1,14 +1,14 @@
 """The worker process: take a task from the ring, make the batch in its slot.
 
-Runs in a process started by :mod:`fastload.pool` (forked from a zygote by
+Runs in a process started by :mod:`fastload.pool.worker_pool` (forked from a zygote by
 default, see :mod:`fastload.launching`). It never touches an accelerator: the
 pool hides them through the environment before anything here runs. The loop
 polls the ring with a timeout, so it notices shutdown and the death of the
 main process on its own.
 
 The tasks it takes and the results it commits are described in
-:mod:`fastload.wire`; what a session holds (the dataset replica, its seeds
-and fetcher) is :mod:`fastload.worker_session`.
+:mod:`fastload.protocol`; what a session holds (the dataset replica, its seeds
+and fetcher) is :mod:`fastload.worker.session`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -30,34 +29,18 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils import collate, signal_handling
 
-from . import _core
-from ._core import WaitResult
-from ._ring import FdHandle, RingHandle
-from .deaths import STACK_SIGNAL
-from .launching import crossing, zygote
-from .launching.spawn import ACCELERATOR_ENV
-from .transport import overflow
-from .transport.writer import SlotWriter
-from .wire import FLAG_OVERFLOW, FetchTask, Kind, SessionTask, decode_task, recv_session_fds
-from .worker_session import Session
+from .. import _core
+from .._core import WaitResult
+from ..launching import parcels
+from ..launching import zygote_main
+from ..launching.spawn import ACCELERATOR_ENV
+from ..transport import overflow
+from ..transport.writer import SlotWriter
+from ..protocol import (FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask, WorkerSpec,
+                        decode_task, recv_session_fds)
+from .session import Session
 
 _POLL_S = 0.5
-
-
-@dataclass
-class WorkerSpec:
-    """What one worker needs at start; small, pickled by the start method."""
-
-    ring: RingHandle
-    sock: socket.socket
-    worker_id: int
-    num_workers: int
-    parent_pid: int
-    hide_accelerators: bool
-    stack_file: FdHandle  # where the worker dumps its Python stack on STACK_SIGNAL
-    # (dataset, collate_fn, ...) itself, for workers forked from the main
-    # process when only fork can hand it over; else it comes per session.
-    session: Any = None
 
 
 class _MainWatch:
@@ -114,7 +97,7 @@ def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
     fds = recv_session_fds(sock)
-    return crossing.read_memfd(fds[0]), fds[1:]
+    return parcels.read_memfd(fds[0]), fds[1:]
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -214,7 +197,7 @@ def _stack_into_slots(writer: SlotWriter) -> None:
 
 class _TaskLoop:
     """A worker's loop: take the next task its ring queue holds, do it in
-    the task's slot, commit the result (see :mod:`fastload.wire`)."""
+    the task's slot, commit the result (see :mod:`fastload.protocol`)."""
 
     def __init__(self, spec: WorkerSpec, ring: _core.WorkerRing, main_watch: _MainWatch) -> None:
         self._spec = spec
@@ -252,12 +235,12 @@ class _TaskLoop:
         the task says."""
         spec = self._spec
         if task.preloaded is not None:  # preloaded by the zygote that forked us
-            load = functools.partial(zygote.preloaded, task.preloaded)
+            load = functools.partial(zygote_main.preloaded, task.preloaded)
         elif task.inherited:  # inherited at fork from the training process
             load = lambda: spec.session  # noqa: E731
         else:
-            blob, fds = recv_session(spec.sock)
-            load = functools.partial(crossing.unpack, blob, fds)
+            data, fds = recv_session(spec.sock)
+            load = functools.partial(parcels.unpack, data, fds)
         return Session(load, task.base_seed, spec.worker_id, spec.num_workers,
                         self.writer.collating, task.resume)
 

@@ -2,7 +2,7 @@
 
 :meth:`fastload.FastLoader.stats` and :func:`fastload.stats` return a
 :class:`LoaderStats`: the figures of one epoch, as the loader's
-:class:`fastload.epoch_meter.EpochMeter` measured them (the module says
+:class:`fastload.stats.meter.EpochMeter` measured them (the module says
 what is measured, and where). :func:`advice` reads them: how long the loop
 waited, what bounded the epoch (the workers, a straggler, the main
 process), and what to try; :func:`summary` is the short line for logs.

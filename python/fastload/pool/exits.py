@@ -14,9 +14,10 @@ import signal
 import time
 from typing import Any, Optional
 
+from ..protocol import STACK_SIGNAL
+
 # Asks a worker for its Python stack: the worker has faulthandler dump it
-# on this signal (fastload.worker), into the memfd the pool keeps for it.
-STACK_SIGNAL = signal.SIGUSR1
+# on this signal (fastload.worker.loop), into the memfd the pool keeps for it.
 
 
 def exited_unseen(proc: Any) -> bool:

@@ -2,7 +2,7 @@
 
 ``FastLoader.state_dict()`` returns :func:`loader_facts` (the format number
 and what a state must agree with to resume exactly) merged with the
-iterator's position (:mod:`fastload.resume`). ``load_state_dict()`` checks a
+iterator's position (:mod:`fastload.resume.book`). ``load_state_dict()`` checks a
 state with :func:`check_compatible`, and takes over the state dict that
 torchdata's ``StatefulDataLoader`` writes, where the two map exactly
 (:func:`from_stateful_dataloader`). Main process only.

@@ -21,24 +21,25 @@ import time
 import weakref
 from typing import Any, List, Optional, Tuple
 
-from . import _core
-from .debug_views import PoolView, RingView
-from .launching import crossing
-from .launching.child import Child
-from .launching.lineage import Lineage
-from .launching.spawn import hidden_env, spawn
-from .launching.start_methods import launcher_of
-from .launching.zygote_client import Zygote
+from .. import _core
+from ..debug_views import PoolView, RingView
+from ..launching import parcels
+from ..launching.child import Child
+from ..launching.fork_server import Lineage
+from ..launching.spawn import hidden_env, spawn
+from ..launching.start_methods import launcher_of
+from ..launching.zygote import Zygote
 from .ledger import Record, Role, SlotLedger
-from .pinning import DeviceRuntime, PinnedRing
+from ..device.pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
-from .wire import encode_session, send_session
-from .worker import WorkerSpec, worker_main
-from .worker_handles import Launch, WorkerHandles, wait_retired
+from ..protocol import encode_session, send_session
+from ..protocol import WorkerSpec
+from ..worker.loop import worker_main
+from .handles import Launch, WorkerHandles, wait_retired
 
 log = logging.getLogger("fastload")
 
-_WORKER_MAIN = "fastload.worker:worker_main"
+_WORKER_MAIN = "fastload.worker.loop:worker_main"
 
 
 class WorkerPool:
@@ -58,7 +59,7 @@ class WorkerPool:
     session (the objects are sent to each of them).
 
     The pool decides when workers start, are replaced, retire and stop;
-    :class:`~fastload.worker_handles.WorkerHandles` keeps their processes,
+    :class:`~fastload.pool.handles.WorkerHandles` keeps their processes,
     channels and stack files. ``launch`` starts one worker from its spec in
     place of the start method's way (tests pass a fake).
     """
@@ -141,7 +142,7 @@ class WorkerPool:
                                   name=f"fastload-worker-{i}", daemon=True)
             p.start()
             return p
-        parcel = crossing.pack(spec, "worker spec")
+        parcel = parcels.pack(spec, "worker spec")
         try:
             if self.lineage is not None:
                 return self.lineage.fork(i, _WORKER_MAIN, parcel)
@@ -210,7 +211,7 @@ class WorkerPool:
         assert self.lineage is not None
         self.lineage.forget()
 
-    def _fresh_workers(self, parcel: crossing.Parcel, timeout: Optional[float]) -> None:
+    def _fresh_workers(self, parcel: parcels.Parcel, timeout: Optional[float]) -> None:
         """A new session of a zygote pool: have the zygote preload ``parcel``
         and fork fresh workers from it, once the last session's (retired as
         its iterator handed the pool back) are gone."""
@@ -305,7 +306,7 @@ class WorkerPool:
         """Whether a later iterator may start a session on this pool."""
         return self._inherited is None
 
-    def start_session(self, parcel: Optional[crossing.Parcel], base_seed: int,
+    def start_session(self, parcel: Optional[parcels.Parcel], base_seed: int,
                       workers: Optional[List[int]] = None,
                       resume: Optional[List[Optional[bytes]]] = None,
                       preload_timeout: Optional[float] = None) -> List[Record]:
@@ -338,7 +339,7 @@ class WorkerPool:
                                           preloaded=self.lineage.preloaded)
                 else:
                     if fd is None:
-                        fd = crossing.memfd_of(parcel.data)
+                        fd = parcels.memfd_of(parcel.data)
                     self.ledger.make_free(1)
                     send_session(self.workers.channels[w], [fd, *parcel.fds])
                     task = encode_session(base_seed, False, states[w])
@@ -359,7 +360,7 @@ class WorkerPool:
     def dead_workers(self) -> List[Tuple[int, int, Optional[int]]]:
         """(worker id, pid, exit code) of every worker that has exited; the
         code is None for a forked worker whose status is lost
-        (:func:`~fastload.deaths.exited_unseen`). Not under forkserver, whose
+        (:func:`~fastload.pool.exits.exited_unseen`). Not under forkserver, whose
         exit codes arrive a moment after the worker is gone."""
         if self._retired:
             return []  # they exit on purpose

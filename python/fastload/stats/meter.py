@@ -3,7 +3,7 @@
 Only the loader sees every wait of the training loop, every batch and every
 worker. Each loader keeps one meter across its iterators; the iterator tells
 it what happened, and :meth:`EpochMeter.stats` turns that into the
-:class:`fastload.loader_stats.LoaderStats` that
+:class:`fastload.stats.loader_stats.LoaderStats` that
 :meth:`fastload.FastLoader.stats` returns.
 
 What is measured, and where:
