@@ -14,6 +14,7 @@ import pytest
 
 from fastload import FastLoader, WorkerHangError
 from fastload.debug import debug_view
+from support import HANG_S
 from support.faults import Misbehave
 from support.processes import wait_pids_gone
 from support.slow_start import slow_start, started
@@ -106,3 +107,21 @@ def test_a_worker_busy_starting_for_longer_than_hang_timeout_is_not_a_hang(
     assert list(started(str(tmp_path))) == [pid]
     assert started(str(tmp_path))[pid] >= 1.0
 
+
+def test_a_worker_blocked_starting_for_hang_timeout_is_a_hang(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other side: a worker that uses no CPU time before it has joined
+    # (blocked on a lock or a file system that does not answer; here asleep)
+    # is hung, as a stopped one is.
+    slow_start(monkeypatch, str(tmp_path), sleep_s=60)
+    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
+                        hang_timeout=0.5, multiprocessing_context="spawn")
+    it = iter(loader)
+    pid = debug_view(it).worker_pids[0]
+    t0 = time.monotonic()
+    with pytest.raises(WorkerHangError, match=rf"worker 0 \(pid {pid}\) made no progress for "
+                                              r"\d+ s on its start-up"):
+        next(it)
+    assert time.monotonic() - t0 < HANG_S  # generous: only catches a real hang
+    assert started(str(tmp_path)) == {}
+    assert wait_pids_gone([pid]) == []
