@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import re
 import signal
 import time
@@ -13,8 +14,10 @@ import pytest
 
 from fastload import FastLoader, WorkerHangError
 from fastload.debug import debug_view
+from support import HANG_S
 from support.faults import Misbehave
 from support.processes import wait_pids_gone
+from support.slow_start import slow_start, started
 
 
 @pytest.mark.heavy
@@ -87,13 +90,38 @@ def test_a_worker_stopped_before_it_joins_the_ring_is_a_hang(restarts: int) -> N
     assert wait_pids_gone([pid]) == []
 
 
-def test_a_worker_busy_starting_for_longer_than_hang_timeout_is_not_a_hang() -> None:
-    # Spawned workers import torch (a second or more) before they join the
-    # ring: the CPU time they use is their progress until then.
-    loader = FastLoader(Misbehave(8, {}, seconds=0), batch_size=2, num_workers=2,
+def test_a_worker_busy_starting_for_longer_than_hang_timeout_is_not_a_hang(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Until a worker joins the ring, the CPU time it uses is its progress: a
+    # spawned worker busy for longer than hang_timeout before it joins (as
+    # one importing torch on a slow machine is) is starting, not hung. Its
+    # start-up here burns twice hang_timeout of CPU time first.
+    slow_start(monkeypatch, str(tmp_path), busy_s=1.0)
+    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
                         hang_timeout=0.5, multiprocessing_context="spawn")
-    t0 = time.monotonic()
     it = iter(loader)
-    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    if time.monotonic() - t0 < 0.5:
-        pytest.skip("the workers started within hang_timeout: nothing was tested")
+    pid = debug_view(it).worker_pids[0]
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3]]
+    # The slow part of the start-up did run, in that worker (a spawned
+    # worker that skipped it would test nothing).
+    assert list(started(str(tmp_path))) == [pid]
+    assert started(str(tmp_path))[pid] >= 1.0
+
+
+def test_a_worker_blocked_starting_for_hang_timeout_is_a_hang(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other side: a worker that uses no CPU time before it has joined
+    # (blocked on a lock or a file system that does not answer; here asleep)
+    # is hung, as a stopped one is.
+    slow_start(monkeypatch, str(tmp_path), sleep_s=60)
+    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
+                        hang_timeout=0.5, multiprocessing_context="spawn")
+    it = iter(loader)
+    pid = debug_view(it).worker_pids[0]
+    t0 = time.monotonic()
+    with pytest.raises(WorkerHangError, match=rf"worker 0 \(pid {pid}\) made no progress for "
+                                              r"\d+ s on its start-up"):
+        next(it)
+    assert time.monotonic() - t0 < HANG_S  # generous: only catches a real hang
+    assert started(str(tmp_path)) == {}
+    assert wait_pids_gone([pid]) == []

@@ -24,6 +24,8 @@
   process; ``DrivenLoader``, a DataLoader iterated by fastload over it.
 * :mod:`support.fake_zygotes` -- fork servers and zygotes that record what
   they are asked, for ``fastload.launching.fork_server``.
+* :mod:`support.slow_start` -- spawned workers whose start-up, before they
+  join the ring, is busy or blocked for as long as a test says.
 * :mod:`support.torch_versions` -- which of DataLoader's arguments and
   behaviours the installed torch has (the suite runs on torch 2.1 to the
   newest).
