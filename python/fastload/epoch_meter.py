@@ -98,6 +98,7 @@ class EpochMeter:
 
     def __init__(self) -> None:
         self.label = "loader"
+        self.auto = False  # the worker count is num_workers="auto"'s (advice() says so)
         self.epoch = -1
         self.history: List[LoaderStats] = []  # finished epochs, the newest last (at most 1000)
         self._reset(0)
@@ -124,10 +125,12 @@ class EpochMeter:
         self._slowest_ns = -1
 
     # ---- the iterator's calls --------------------------------------------------
-    def begin(self, workers: int, label: str) -> None:
-        """``iter()`` was called: a new epoch with ``workers`` workers."""
+    def begin(self, workers: int, label: str, auto: bool = False) -> None:
+        """``iter()`` was called: a new epoch with ``workers`` workers
+        (``auto``: the loader picks the count, ``num_workers="auto"``)."""
         self.epoch += 1
         self.label = label
+        self.auto = auto
         self._reset(workers)
         stats_log.debug("fastload: %s: epoch %d begins", label, self.epoch,
                         extra={"fastload_meter": self})
@@ -195,7 +198,7 @@ class EpochMeter:
             stats_log.debug("fastload: %s: epoch %d: %s", self.label, self.epoch, summary(done),
                             extra={"fastload_meter": self, "fastload_stats": done})
             if done.wait_share > WAIT_SHARE_TO_REPORT and enough_batches(done):
-                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done))
+                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done, self.auto))
         return self.history[-1]
 
     # ---- reading ------------------------------------------------------------------

@@ -73,7 +73,8 @@ class FastLoaderIter(WorkersMixin, ResumeMixin, AutoCountMixin, _BaseDataLoaderI
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
         meter: EpochMeter = state.meter
         self._meter = meter
-        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers))
+        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers),
+                    state.options.auto_workers)
         self._meter_epoch = meter.epoch
         self._epoch_over = False  # the epoch's last batch was handed out (stats())
         self._read_ns = 0
@@ -153,7 +154,8 @@ class FastLoaderIter(WorkersMixin, ResumeMixin, AutoCountMixin, _BaseDataLoaderI
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         if not first_iter:  # a persistent iterator's next epoch
-            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None))
+            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None),
+                              self._auto is not None)
             self._meter_epoch = self._meter.epoch
             self._epoch_over = False
         if not first_iter and self._fatal is None:
