@@ -236,7 +236,7 @@ def test_advice_names_the_one_cause_of_each_verdict(monkeypatch: pytest.MonkeyPa
     assert "more workers would" not in full
     # ... with num_workers="auto" already: the samples themselves
     auto = advice(_stats(), auto=True)
-    assert 'num_workers="auto" ended the epoch at 2 workers on 4 cores' in auto
+    assert 'num_workers="auto" had 2 workers at the epoch\'s end, on 4 cores' in auto
     assert "cheaper samples" in auto and "more workers would" not in auto
     # workers idle, the main process reading: what it copied, else unpickling
     idle = dict(worker_busy_share=(0.3, 0.2), read_s=3.0)
@@ -259,6 +259,16 @@ def test_advice_names_the_one_cause_of_each_verdict(monkeypatch: pytest.MonkeyPa
     lag = advice(_stats(worker_make_p99_ms=(20.0, 390.0, 22.0), worker_busy_share=(0.5, 1, 0.5),
                         workers=3, slowest=slow))
     assert "worker 1 is a straggler" in lag and "samples [18, 19]" in lag
+    # workers "auto" added near the epoch's end made no batch: neither
+    # stragglers' peers nor idle workers
+    grown = advice(_stats(workers=4, worker_busy_share=(0.95, 0.9, 0.0, 0.0),
+                          worker_make_p99_ms=(99.0, 98.0, 0.0, 0.0)), auto=True)
+    assert "straggler" not in grown and "had 4 workers at the epoch's end" in grown
+    # ... and an epoch in which "auto" changed the count is not judged on its totals
+    changed = advice(_stats(workers=4, worker_busy_share=(0.5, 0.4, 0.1, 0.1),
+                            worker_make_p99_ms=(99.0, 98.0, 97.0, 99.0)), auto=True, started_with=2)
+    assert "from 2 to 4 workers" in changed and "next epoch starts with 4" in changed
+    assert "ran out of tasks" not in changed
     assert "too few batches" in advice(_stats(batches=3))
     none = advice(_stats(workers=0, worker_busy_share=()))
     assert "num_workers=0" in none and 'num_workers="auto"' in none
@@ -275,6 +285,9 @@ def test_printed_stats_are_a_few_lines_and_keep_every_figure() -> None:
     assert s.slowest is not None and s.slowest.indices == indices  # the data stays whole
     assert "256 in all" in repr(s.slowest)
     assert dataclasses.is_dataclass(s) and s == _stats(slowest=s.slowest)
+    many = str(_stats(workers=16, worker_busy_share=tuple(i / 16 for i in range(16)),
+                      worker_make_p99_ms=(50.0,) * 16))
+    assert "busy 0% to 94% (median 50%)" in many and len(many.splitlines()) <= 6
 
 
 # ---- the report ----------------------------------------------------------------------------

@@ -106,6 +106,7 @@ class EpochMeter:
     def _reset(self, workers: int) -> None:
         self.finished = False
         self.workers = workers
+        self.started_with = workers  # the count the epoch began with (resize() changes workers)
         self._t_iter = self._t0 = time.perf_counter_ns()
         self._t_end: Optional[int] = None
         self._t_last: Optional[int] = None  # the last batch's delivery
@@ -198,7 +199,7 @@ class EpochMeter:
             stats_log.debug("fastload: %s: epoch %d: %s", self.label, self.epoch, summary(done),
                             extra={"fastload_meter": self, "fastload_stats": done})
             if done.wait_share > WAIT_SHARE_TO_REPORT and enough_batches(done):
-                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done, self.auto))
+                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done, self.auto, self.started_with))
         return self.history[-1]
 
     # ---- reading ------------------------------------------------------------------

@@ -11,7 +11,7 @@ process, workers without tasks), and what to try; :func:`summary` is the short l
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .autoscale import cores_available
 
@@ -84,8 +84,8 @@ class LoaderStats:
         """A few lines of the figures (``print(loader.stats())``); every
         figure in full is an attribute, the slowest batch's indices in
         ``slowest.indices``."""
-        busy = ", ".join(f"{b:.0%}" for b in self.worker_busy_share) or "-"
-        p99 = ", ".join(f"{v:.2f}" for v in self.worker_make_p99_ms) or "-"
+        busy = _each(self.worker_busy_share, "{:.0%}")
+        p99 = _each(self.worker_make_p99_ms, "{:.2f}")
         slow = "none" if self.slowest is None else (
             f"batch {self.slowest.batch} by worker {self.slowest.worker}, "
             f"{self.slowest.make_ms:.2f} ms, samples {_short(self.slowest.indices)}")
@@ -129,16 +129,27 @@ _BUSY = 0.80  # workers busier than this make batches as fast as they can
 _STRAGGLER = 3.0  # a worker whose p99 is this many times the others' median p99
 
 
+def _made_any(s: LoaderStats) -> List[int]:
+    """The workers that made a batch this epoch (a p99 of 0.0 means none: a
+    worker ``num_workers="auto"`` added near the epoch's end)."""
+    return [i for i, v in enumerate(s.worker_make_p99_ms) if v > 0.0]
+
+
 def _straggler(s: LoaderStats) -> Optional[int]:
-    p99 = s.worker_make_p99_ms
-    if len(p99) < 2:
+    made = _made_any(s)
+    if len(made) < 2:
         return None
-    worst = max(range(len(p99)), key=p99.__getitem__)
-    others = sorted(v for i, v in enumerate(p99) if i != worst)
-    median = others[len(others) // 2]
+    p99 = s.worker_make_p99_ms
+    worst = max(made, key=p99.__getitem__)
+    median = _others_median(s, worst)
     if p99[worst] > _STRAGGLER * median and p99[worst] - median > 5.0:
         return worst
     return None
+
+
+def _others_median(s: LoaderStats, worker: int) -> float:
+    others = sorted(s.worker_make_p99_ms[i] for i in _made_any(s) if i != worker)
+    return others[len(others) // 2]
 
 
 def enough_batches(s: LoaderStats) -> bool:
@@ -148,10 +159,12 @@ def enough_batches(s: LoaderStats) -> bool:
     return s.batches >= 4 * max(1, s.workers)
 
 
-def advice(s: LoaderStats, auto: bool = False) -> str:
+def advice(s: LoaderStats, auto: bool = False, started_with: Optional[int] = None) -> str:
     """One line: how long the loop waited, the one cause the figures point
     to, and what to try. ``auto``: the loader picks its worker count
-    (``num_workers="auto"``), so the count is not the user's to raise.
+    (``num_workers="auto"``), so the count is not the user's to raise;
+    ``started_with``: the count the epoch began with (an epoch whose count
+    changed mixes counts, and is not judged).
 
     The figures tell the causes apart as follows: a worker whose p99 is far
     above the others' is a straggler; workers busy nearly all the time are
@@ -170,7 +183,12 @@ def advice(s: LoaderStats, auto: bool = False) -> str:
     if not enough_batches(s):
         return head + (f"too few batches ({s.batches} for {s.workers} workers) to tell what "
                        f"bounds it: the first batches wait for every worker's first one")
-    busy = sum(s.worker_busy_share) / len(s.worker_busy_share)
+    if auto and started_with is not None and started_with != s.workers:
+        return head + (f"num_workers=\"auto\" changed the count during the epoch, from "
+                       f"{started_with} to {s.workers} workers, so its figures mix counts: the "
+                       f"next epoch starts with {s.workers} and tells what bounds the loader")
+    working = _made_any(s) or list(range(len(s.worker_busy_share)))
+    busy = sum(s.worker_busy_share[i] for i in working) / max(1, len(working))
     lagging = _straggler(s)
     if lagging is not None:
         slow = s.slowest
@@ -178,9 +196,8 @@ def advice(s: LoaderStats, auto: bool = False) -> str:
         if slow is not None and slow.worker == lagging:
             where = (f"; its slowest batch (batch {slow.batch}, samples {_short(slow.indices)}) "
                      f"took {slow.make_ms:.1f} ms")
-        others = [v for i, v in enumerate(s.worker_make_p99_ms) if i != lagging]
         return head + (f"worker {lagging} is a straggler: p99 {s.worker_make_p99_ms[lagging]:.1f} ms "
-                       f"to make a batch against {sorted(others)[len(others) // 2]:.1f} ms for "
+                       f"to make a batch against {_others_median(s, lagging):.1f} ms for "
                        f"the others{where}")
     if busy >= _BUSY:
         cores = cores_available()
@@ -188,10 +205,11 @@ def advice(s: LoaderStats, auto: bool = False) -> str:
                  f"(p50 {s.make_ms.p50:.1f} ms each): data-bound, the workers are the bound; ")
         if auto:
             return head + bound + (
-                f"num_workers=\"auto\" ended the epoch at {s.workers} workers on {cores} cores: it "
-                f"adds workers only while the CPU they are measured to use fits beside the "
-                f"training loop's, so cheaper samples (transforms, decoding) or faster storage "
-                f"would help")
+                f"num_workers=\"auto\" had {s.workers} workers at the epoch's end, on {cores} "
+                f"cores: it adds workers while the loop waits and the CPU they are measured to "
+                f"use fits beside the training loop's (up to its caps), so once the count "
+                f"stops growing, cheaper samples (transforms, decoding) or faster storage would "
+                f"help")
         if s.workers < cores:
             return head + bound + (
                 f"more workers would make batches faster ({cores} cores are available to this "
@@ -238,6 +256,15 @@ def summary(s: LoaderStats) -> str:
     return (f"{s.batches} batches, {s.samples_per_s:,.0f} samples/s, waited {s.wait_share:.0%} "
             f"(p50 {s.wait_ms.p50:.2f} ms, p99 {s.wait_ms.p99:.2f} ms), make p50 "
             f"{s.make_ms.p50:.2f} ms{busy}, {s.workers} workers")
+
+
+def _each(values: Tuple[float, ...], fmt: str) -> str:
+    """Per-worker figures: each of up to 8, else the least, median and most."""
+    if len(values) <= 8:
+        return ", ".join(fmt.format(v) for v in values) or "-"
+    v = sorted(values)
+    return (f"{fmt.format(v[0])} to {fmt.format(v[-1])} "
+            f"(median {fmt.format(v[len(v) // 2])})")
 
 
 def _pct(p: Percentiles) -> str:
