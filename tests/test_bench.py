@@ -255,3 +255,16 @@ def test_ab_pairs_rounds_and_reports_the_ratio_s_spread(capsys):
     text = capsys.readouterr().out
     assert "1.250x (1.000-1.500, 2 rounds)" in text
     assert "B ERROR: RuntimeError: boom" in text
+
+
+def test_a_report_with_a_miss_says_a_miss_is_not_a_failure(capsys):
+    """A target marked MISS is a finding about this machine: the benchmark
+    says so under any report that has one, and only there."""
+    from fastload.bench import report
+    from fastload.bench.fresh import MISS_NOTE, miss_note, print_and_save
+
+    assert report._mark(False) == "MISS" and miss_note("x 0.61x (<=0.5x) MISS\n") == MISS_NOTE
+    assert "not a failure" in MISS_NOTE and "exit status is 1 only if" in MISS_NOTE
+    assert miss_note("x 0.41x (<=0.5x) ok\n") == ""
+    print_and_save("a (>= 0.9x MISS)\n", {}, None)
+    assert capsys.readouterr().out == "a (>= 0.9x MISS)\n" + MISS_NOTE

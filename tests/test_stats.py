@@ -10,6 +10,7 @@ exact.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 import fastload
 from fastload import FastLoader, LoaderStats
 from fastload.stats.meter import EpochMeter, _bucket, _bucket_middle, _quantiles
+from fastload.stats import loader_stats
 from fastload.stats.loader_stats import SlowBatch, advice
 from fastload.run_report import ReportHandler, format_report
 from support.datasets import BigSample, Plain, Straggler
@@ -219,18 +221,73 @@ def _stats(**kw: Any) -> LoaderStats:
     return LoaderStats(**base)  # type: ignore[arg-type]
 
 
-def test_advice_names_what_bounds_the_epoch() -> None:
-    assert "data-bound" in advice(_stats())
-    main_bound = advice(_stats(worker_busy_share=(0.3, 0.2), read_s=3.0, copied_batches=7))
-    assert "main process is the bound" in main_bound and "7 batches copied" in main_bound
-    idle = advice(_stats(worker_busy_share=(0.3, 0.2), read_s=0.1))
-    assert "short of CPU" in idle
+def test_advice_names_the_one_cause_of_each_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each verdict of advice(), from made-up figures: the cause the figures
+    point to, and what to try (num_workers="auto" where more workers help)."""
+    monkeypatch.setattr(loader_stats, "cores_available", lambda: 4)
+    # workers busy all the time, fewer than the cores: more workers, "auto"
+    few = advice(_stats())
+    assert "data-bound, the workers are the bound" in few
+    assert "more workers would make batches faster (4 cores" in few
+    assert 'num_workers="auto" picks the count' in few
+    # ... as many as the cores: "auto" adds workers only if they wait on I/O
+    full = advice(_stats(workers=4, worker_busy_share=(0.9,) * 4, worker_make_p99_ms=(99.0,) * 4))
+    assert "already match the 4 cores" in full and 'num_workers="auto" measures' in full
+    assert "more workers would" not in full
+    # ... with num_workers="auto" already: the samples themselves
+    auto = advice(_stats(), auto=True)
+    assert 'num_workers="auto" had 2 workers at the epoch\'s end, on 4 cores' in auto
+    assert "cheaper samples" in auto and "more workers would" not in auto
+    # workers idle, the main process reading: what it copied, else unpickling
+    idle = dict(worker_busy_share=(0.3, 0.2), read_s=3.0)
+    copied = advice(_stats(copied_batches=7, pin_copied_batches=3, **idle))
+    assert "main process is the bound" in copied and "3.00 s of the 5.00 s waited" in copied
+    assert "7 of 100 batches were copied out of the ring" in copied and "held_batches" in copied
+    assert "pinned" not in copied  # one cause: the first the figures show
+    pinned = advice(_stats(pin_copied_batches=3, **idle))
+    assert "3 batches were copied into pinned memory" in pinned
+    overflow = advice(_stats(overflow_batches=5, **idle))
+    assert "5 batches were bigger than a ring slot" in overflow and "slot_bytes" in overflow
+    unpickle = advice(_stats(**idle))
+    assert "main process is the bound" in unpickle and "unpickling" in unpickle
+    # workers idle, the main process not reading: the workers had no tasks
+    starved = advice(_stats(worker_busy_share=(0.3, 0.2), read_s=0.1))
+    assert "ran out of tasks" in starved and "prefetch_factor" in starved
+    assert "main process is the bound" not in starved and "num_workers" not in starved
+    # a straggler, named with its slowest batch
     slow = SlowBatch(worker=1, make_ms=400.0, batch=9, indices=[18, 19])
     lag = advice(_stats(worker_make_p99_ms=(20.0, 390.0, 22.0), worker_busy_share=(0.5, 1, 0.5),
                         workers=3, slowest=slow))
     assert "worker 1 is a straggler" in lag and "samples [18, 19]" in lag
+    # workers "auto" added near the epoch's end made no batch: neither
+    # stragglers' peers nor idle workers
+    grown = advice(_stats(workers=4, worker_busy_share=(0.95, 0.9, 0.0, 0.0),
+                          worker_make_p99_ms=(99.0, 98.0, 0.0, 0.0)), auto=True)
+    assert "straggler" not in grown and "had 4 workers at the epoch's end" in grown
+    # ... and an epoch in which "auto" changed the count is not judged on its totals
+    changed = advice(_stats(workers=4, worker_busy_share=(0.5, 0.4, 0.1, 0.1),
+                            worker_make_p99_ms=(99.0, 98.0, 97.0, 99.0)), auto=True, started_with=2)
+    assert "from 2 to 4 workers" in changed and "next epoch starts with 4" in changed
+    assert "ran out of tasks" not in changed
     assert "too few batches" in advice(_stats(batches=3))
-    assert "num_workers=0" in advice(_stats(workers=0, worker_busy_share=()))
+    none = advice(_stats(workers=0, worker_busy_share=()))
+    assert "num_workers=0" in none and 'num_workers="auto"' in none
+
+
+def test_printed_stats_are_a_few_lines_and_keep_every_figure() -> None:
+    indices = list(range(1000, 1256))
+    s = _stats(slowest=SlowBatch(worker=1, make_ms=400.0, batch=9, indices=indices))
+    text = str(s)
+    assert text == repr(s) and len(text.splitlines()) <= 6 and len(text) < 800, text
+    assert text.startswith("LoaderStats(epoch 0: 100 batches, 800 samples in 10.00 s")
+    assert "samples [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, ... 256 in all]" in text
+    assert "1255" not in text
+    assert s.slowest is not None and s.slowest.indices == indices  # the data stays whole
+    assert "256 in all" in repr(s.slowest)
+    assert dataclasses.is_dataclass(s) and s == _stats(slowest=s.slowest)
+    many = str(_stats(workers=16, worker_busy_share=tuple(i / 16 for i in range(16)),
+                      worker_make_p99_ms=(50.0,) * 16))
+    assert "busy 0% to 94% (median 50%)" in many and len(many.splitlines()) <= 6
 
 
 # ---- the report ----------------------------------------------------------------------------

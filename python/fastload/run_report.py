@@ -73,6 +73,6 @@ def format_report(meters: List[EpochMeter], max_rows: int = 20) -> str:
         for r in rows:
             out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
         if epochs and epochs[-1].wait_share > WAIT_SHARE_TO_REPORT:
-            out.append("  " + advice(epochs[-1]))
+            out.append("  " + advice(epochs[-1], meter.auto, meter.started_with))
         out.append("")
     return "\n".join(out)

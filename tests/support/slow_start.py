@@ -12,7 +12,7 @@ worker's pid as started in the directory. The worker then starts as usual:
 it imports fastload and torch and joins the ring.
 
 This is the part of a start-up the hang watchdog credits with the CPU time
-it uses (``fastload.supervisor``): what comes after the worker has joined,
+it uses (``fastload.pool.supervisor``): what comes after the worker has joined,
 its session set-up (unpickling the dataset, importing the dataset's module,
 ``worker_init_fn``), is a task held to ``hang_timeout`` like a batch, so a
 slow dataset could not stand in for a slow start-up.

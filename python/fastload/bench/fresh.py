@@ -4,7 +4,8 @@ of them run every measure in a child and stay light themselves):
 every run must start cold (a new process, torch imported anew, no loader
 before it): the module is run with ``--child`` and the run's spec as JSON,
 and prints its result as JSON on the last line of its output; and
-:func:`print_and_save`, a module's output when it runs alone."""
+:func:`print_and_save`, a module's output when it runs alone, with
+:func:`miss_note`, what a ``MISS`` in a report means."""
 
 from __future__ import annotations
 
@@ -33,10 +34,22 @@ def run_fresh(module: str, payload: Dict[str, Any], what: str, timeout: float = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# Printed after any report that marks a target MISS, so that no one reads a
+# missed target as a broken install or a failed check.
+MISS_NOTE = ("MISS: a target this project set was not reached on this machine; a finding, not a "
+             "failure (the exit status is 1 only if a run failed or a batch was wrong)\n")
+
+
+def miss_note(text: str) -> str:
+    """:data:`MISS_NOTE` if the report ``text`` marks a target ``MISS``, else ''."""
+    return MISS_NOTE if "MISS" in text else ""
+
+
 def print_and_save(text: str, res: Dict[str, Any], path: Optional[str]) -> None:
-    """An extra table's module run alone: print its ``text`` and, given a
-    ``path``, write its runs and medians ``res`` there as JSON."""
-    sys.stdout.write(text)
+    """An extra table's module run alone: print its ``text`` (and what a
+    MISS in it means) and, given a ``path``, write its runs and medians
+    ``res`` there as JSON."""
+    sys.stdout.write(text + miss_note(text))
     if path:
         with open(path, "w") as f:
             json.dump(res, f, indent=1)

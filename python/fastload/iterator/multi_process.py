@@ -62,7 +62,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
         meter: EpochMeter = state.meter
         self._meter = meter
-        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers))
+        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers),
+                    state.options.auto_workers)
         self._meter_epoch = meter.epoch
         self._epoch_over = False  # the epoch's last batch was handed out (stats())
         self._read_ns = 0
@@ -143,7 +144,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         session, schedule, cursor = self._session, self._schedule, self._cursor
         assert session is not None
         if not first_iter:  # a persistent iterator's next epoch
-            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None))
+            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None),
+                              self._auto is not None)
             self._meter_epoch = self._meter.epoch
             self._epoch_over = False
         if not first_iter and session.failure is None:

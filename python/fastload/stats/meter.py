@@ -98,6 +98,7 @@ class EpochMeter:
 
     def __init__(self) -> None:
         self.label = "loader"
+        self.auto = False  # the worker count is num_workers="auto"'s (advice() says so)
         self.epoch = -1
         self.history: List[LoaderStats] = []  # finished epochs, the newest last (at most 1000)
         self._reset(0)
@@ -105,6 +106,7 @@ class EpochMeter:
     def _reset(self, workers: int) -> None:
         self.finished = False
         self.workers = workers
+        self.started_with = workers  # the count the epoch began with (resize() changes workers)
         self._t_iter = self._t0 = time.perf_counter_ns()
         self._t_end: Optional[int] = None
         self._t_last: Optional[int] = None  # the last batch's delivery
@@ -124,10 +126,12 @@ class EpochMeter:
         self._slowest_ns = -1
 
     # ---- the iterator's calls --------------------------------------------------
-    def begin(self, workers: int, label: str) -> None:
-        """``iter()`` was called: a new epoch with ``workers`` workers."""
+    def begin(self, workers: int, label: str, auto: bool = False) -> None:
+        """``iter()`` was called: a new epoch with ``workers`` workers
+        (``auto``: the loader picks the count, ``num_workers="auto"``)."""
         self.epoch += 1
         self.label = label
+        self.auto = auto
         self._reset(workers)
         stats_log.debug("fastload: %s: epoch %d begins", label, self.epoch,
                         extra={"fastload_meter": self})
@@ -195,7 +199,7 @@ class EpochMeter:
             stats_log.debug("fastload: %s: epoch %d: %s", self.label, self.epoch, summary(done),
                             extra={"fastload_meter": self, "fastload_stats": done})
             if done.wait_share > WAIT_SHARE_TO_REPORT and enough_batches(done):
-                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done))
+                log.info("fastload: %s, epoch %d: %s", self.label, self.epoch, advice(done, self.auto, self.started_with))
         return self.history[-1]
 
     # ---- reading ------------------------------------------------------------------
