@@ -328,10 +328,10 @@ def test_copied_and_pickled_loaders_take_options_not_workers():
     # torch 2.1's Generator cannot be copied or pickled (DataLoader's neither).
     loader = make() if torch_versions.GENERATOR_PICKLES else make(generator=None)
     list(loader)
-    assert getattr(loader, STATE_ATTR).idle_pool is not None
+    assert getattr(loader, STATE_ATTR).pools.idle_pool is not None
     for other in (copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
         state = getattr(other, STATE_ATTR)
-        assert state.idle_pool is None and state.options.hang_timeout == 7.5
+        assert state.pools.idle_pool is None and state.options.hang_timeout == 7.5
 
 
 @pytest.mark.slow

@@ -121,7 +121,7 @@ def test_the_epoch_ends_at_its_last_batch_and_the_pool_goes_back_warm() -> None:
     got = [next(it) for _ in range(len(loader))]
     pool = loader.pools[0]
     # At the last batch, not at a StopIteration that Lightning's loop never asks for.
-    assert pool.retired and loader.fastload_state.idle_pool is pool
+    assert pool.retired and loader.fastload_state.pools.idle_pool is pool
     assert loader.fastload_state.meter.stats().finished
     with pytest.raises(StopIteration):
         next(it)
@@ -194,7 +194,7 @@ def test_a_dead_worker_ends_the_epoch_with_dataloader_s_message_at_every_later_c
     msg = str(e.value)
     assert msg.startswith("DataLoader worker (pid 1001) is killed by signal: Killed.")
     assert "It was making batch(es) 1, 3 of this epoch" in msg
-    assert pool.shut_down and loader.fastload_state.idle_pool is None
+    assert pool.shut_down and loader.fastload_state.pools.idle_pool is None
     with pytest.raises(RuntimeError) as again:
         next(it)
     assert str(again.value) == msg

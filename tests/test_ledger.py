@@ -48,7 +48,7 @@ def test_a_batch_from_assignment_to_its_result(pool: Pool) -> None:
     got = ledger.wait(1.0)
     assert got is rec and rec.done and rec.kind == Kind.DATA and rec.make_ns == 12345
     assert ring.state(rec.slot) == _core.SlotState.READY and ledger.accounted_for()
-    ledger.taken(rec)  # the reader's now
+    assert ledger.take(rec) is rec  # the reader's now
     assert not ledger.busy()
     ring.release(rec.slot)
     assert ring.free_slot_count() == ring.num_slots and ledger.accounted_for()

@@ -114,7 +114,8 @@ def test_a_spawn_pool_starts_its_workers_with_it_each_with_a_channel_and_stack_f
 def test_a_session_sends_each_worker_the_parcel_then_queues_its_session_task() -> None:
     with _running(2) as (pool, launches):
         parcel = crossing.pack(("a dataset", 3), "session")
-        records = pool.start_session(parcel, base_seed=7)
+        records = [pool.ledger.assign(Role.SESSION, w, task)
+                   for w, task in pool.session_tasks(parcel, base_seed=7)]
         assert [(r.role, r.worker) for r in records] == [(Role.SESSION, 0), (Role.SESSION, 1)]
         for p in launches.started:
             fds = recv_session_fds(p.sock)

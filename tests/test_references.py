@@ -149,7 +149,7 @@ def test_a_tensor_that_views_numpy_memory_keeps_viewing_it() -> None:
     arr[0] = -5.0
     assert ds.data[0, 0].item() == -5.0 and not ds.data.is_shared()  # still numpy's memory
     state = loader._fastload_state  # noqa: SLF001 - the loader's buffer copies
-    assert state.buffers.nbytes >= 4 * MB
+    assert state.pools.buffers.nbytes >= 4 * MB
     del loader, state
     gc.collect()
 

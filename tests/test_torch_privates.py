@@ -24,7 +24,7 @@ REQUIRED: List[Tuple[str, str, str]] = [
     ("torch.utils.data", "DataLoader._index_sampler", "loader: the first index"),
     ("torch.utils.data", "_DatasetKind.create_fetcher", "worker_session: the fetcher"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter._reset", "FastLoaderIter's base"),
-    ("torch.utils.data.dataloader", "_BaseDataLoaderIter._next_index", "FastLoaderIter, resume"),
+    ("torch.utils.data.dataloader", "_BaseDataLoaderIter._next_index", "loader, single_process"),
     ("torch.utils.data.dataloader", "_SingleProcessDataLoaderIter", "num_workers=0"),
     ("torch.utils.data._utils", "HAS_NUMPY", "worker_session: numpy's seed"),
     ("torch.utils.data._utils.worker", "_generate_state", "worker_session: numpy's seed"),
@@ -55,6 +55,21 @@ def test_required_private_name(module: str, path: str, used_by: str) -> None:
         _lookup(module, path)
     except (ImportError, AttributeError) as e:
         pytest.fail(f"torch {torch.__version__} has no {module}.{path} ({used_by}): {e}")
+
+
+def test_the_base_iterator_draws_from_its_sampler_iter() -> None:
+    """FastLoaderIter's resume cursor draws ``next(it._sampler_iter)`` (and
+    makes ``iter(it._index_sampler)`` anew), as ``_next_index`` and
+    ``_reset`` of torch's base iterator do."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    loader = DataLoader(range(10), batch_size=3)
+    it = _BaseDataLoaderIter(loader)
+    it._reset(loader, first_iter=True)
+    assert it._next_index() == [0, 1, 2]
+    assert next(it._sampler_iter) == [3, 4, 5]
+    assert next(iter(it._index_sampler)) == [0, 1, 2]
 
 
 def test_worker_info_takes_what_the_worker_gives() -> None:

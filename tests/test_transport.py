@@ -143,7 +143,7 @@ class RingWay:
         self.channels = Channels(1)
         self.overflow = self.channels.segments
         self.ledger = SlotLedger(self.ring, self.overflow)
-        self.reader = SlotReader(self.ring, self.ledger, self.overflow, held_batches)
+        self.reader = SlotReader(self.ring, self.overflow, held_batches)
         self.worker = FakeWorker(self.ring, 0, self.channels.theirs[0])
         self.writer = SlotWriter(self.worker.ring.payload_region(), self.ring.slot_bytes)
 
@@ -162,7 +162,7 @@ class RingWay:
             kind |= FLAG_OVERFLOW
         self.worker.commit(slot, kind, data_len, meta_off=meta_off, meta_len=meta_len)
         assert self.ledger.wait(1.0) is rec
-        return self.reader.take(rec)
+        return self.reader.take(self.ledger.take(rec), self.ledger.live_leases())
 
     def fail(self, error: BaseException) -> None:
         """The worker's batch raised ``error``: the reader raises it."""
@@ -175,7 +175,7 @@ class RingWay:
         meta_len = self.writer.write_error(slot, wrapper, trailer(("capture",)))
         self.worker.commit(slot, Kind.ERROR, meta_len=meta_len)
         assert self.ledger.wait(1.0) is rec
-        self.reader.take(rec)
+        self.reader.take(self.ledger.take(rec), self.ledger.live_leases())
 
     def close(self) -> None:
         self.channels.close()

@@ -393,7 +393,7 @@ def test_the_loader_s_modules_are_imported_ahead_by_its_first_zygote(tmp_path, m
     fastload.shutdown()  # a new server: the one running may have the module from an earlier test
 
     loader = FastLoader(heavy.SlowToImport(8), batch_size=2, num_workers=NW)
-    spare = loader._fastload_state.spare_zygote
+    spare = loader._fastload_state.pools.spare_zygote
     assert spare is not None
     deadline = time.monotonic() + 60
     while spare.pid not in heavy.marks(str(tmp_path)) and time.monotonic() < deadline:
@@ -421,7 +421,7 @@ def test_a_zygote_tainted_by_importing_the_loader_s_modules_is_replaced(caplog):
     from support.thread_at_import import StartsAThread
 
     loader = FastLoader(StartsAThread(8), batch_size=2, num_workers=NW)
-    spare = loader._fastload_state.spare_zygote
+    spare = loader._fastload_state.pools.spare_zygote
     with caplog.at_level(logging.WARNING, logger="fastload"):
         it = iter(loader)
         view = debug_view(it).pool

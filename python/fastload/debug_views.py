@@ -4,7 +4,7 @@ Each class renders its own view from its own state, so that no module
 reads another's private attributes: :meth:`WorkerPool.debug_view
 <fastload.pool.worker_pool.WorkerPool.debug_view>`, :meth:`FastLoaderIter.debug_view
 <fastload.iterator.multi_process.FastLoaderIter.debug_view>` and
-:meth:`LoaderState.debug_view <fastload.iterator.loader_runtime.LoaderState.debug_view>`
+:meth:`LoaderRuntime.debug_view <fastload.iterator.loader_runtime.LoaderRuntime.debug_view>`
 (with :func:`fastload.loader.loader_view` for any loader). This module
 imports none of them, so each can import it. See :mod:`fastload.debug` for
 what a view promises (a snapshot, holding no worker alive, changing nothing).

@@ -10,13 +10,13 @@ script, track gradients where the script turned them off, miss an
 environment variable set after the loader was built, and print warnings the
 script silenced.
 
-So each session carries a :class:`ProcessState` captured at ``iter()``, at
+So each session carries a :class:`InheritedSettings` captured at ``iter()``, at
 the head of the session's pickle. Unpickling it applies the environment and
 torch's modes before the dataset that follows it is unpickled (its
 ``__setstate__`` may read them): in the zygote that preloads the session,
 whose workers then inherit them, or in a worker that unpickles the session
 itself. The ``warnings`` filters are applied by the worker once it has the
-dataset (:meth:`ProcessState.apply_filters`), and only those whose warning
+dataset (:meth:`InheritedSettings.apply_filters`), and only those whose warning
 class is already imported there: a filter naming a class of a package the
 worker never imported (Lightning's and SciPy's install some) cannot match
 anything it raises, and importing that package just to hold the filter would
@@ -42,7 +42,7 @@ from .launching.spawn import ACCELERATOR_ENV
 _Filter = Tuple[str, Any, Tuple[str, str], Any, int]
 
 
-class ProcessState:
+class InheritedSettings:
     """The environment, torch's global modes (default dtype, grad mode,
     deterministic algorithms, float32 matmul precision) and the ``warnings``
     filters of a process, taken by :meth:`capture` (see the module's
@@ -55,7 +55,7 @@ class ProcessState:
         self.warning_filters = warning_filters
 
     @classmethod
-    def capture(cls) -> "ProcessState":
+    def capture(cls) -> "InheritedSettings":
         """This process's state now."""
         import torch
 
@@ -129,7 +129,7 @@ def set_deterministic(mode: bool, warn_only: bool) -> None:
 
     ``torch._C._set_deterministic_algorithms`` is private; the public
     function is the fallback where it is missing, and
-    tests/test_process_state.py pins that both leave the same state."""
+    tests/test_inherited.py pins that both leave the same state."""
     import torch
 
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
@@ -143,8 +143,8 @@ def set_deterministic(mode: bool, warn_only: bool) -> None:
 
 
 def _apply(environ: Dict[str, str], torch_modes: Dict[str, Any],
-           warning_filters: List[_Filter]) -> ProcessState:
-    state = ProcessState(environ, torch_modes, warning_filters)
+           warning_filters: List[_Filter]) -> InheritedSettings:
+    state = InheritedSettings(environ, torch_modes, warning_filters)
     state.apply()
     return state
 

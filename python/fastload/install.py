@@ -30,7 +30,7 @@ from .iterator.multi_process import FastLoaderIter
 from .stats.autoscale import AUTO
 from .launching.fork_server import ServerLease, lease_fork_server
 from .loader import STATE_ATTR, FastLoader, LoaderOptions, _fail_as_dataloader_iterator
-from .iterator.loader_runtime import LoaderState, release_lease
+from .iterator.loader_runtime import LoaderRuntime
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -168,9 +168,10 @@ def _get_iterator(self: DataLoader) -> _BaseDataLoaderIter:
     # The instance __dict__ directly: a subclass may guard __setattr__.
     state = self.__dict__.get(STATE_ATTR)
     if state is None:
-        state = self.__dict__[STATE_ATTR] = LoaderState(_defaults)
+        state = self.__dict__[STATE_ATTR] = LoaderRuntime(_defaults)
         if self.multiprocessing_context is None:
-            weakref.finalize(self, release_lease, state.lease_fork_server())
+            state.pools.lease_fork_server(state.options.hide_accelerators)
+            weakref.finalize(self, state.pools.release)
     elif state.options is not _defaults:  # install() was called again since
         state.options = _defaults
     _announce(self)

@@ -33,12 +33,12 @@ from .iterator.single_process import SingleProcessIter
 from .stats.autoscale import AUTO, cores_available, initial_workers
 from .stats.loader_stats import LoaderStats
 from .device.pinning import DeviceRuntime
-from .iterator.loader_runtime import LoaderOptions, LoaderState, loader_modules, release_lease
+from .iterator.loader_runtime import LoaderOptions, LoaderRuntime, loader_modules
 
 __all__ = ["FastLoader", "LoaderOptions", "STATE_ATTR", "stats"]
 
 T_co = TypeVar("T_co", covariant=True)
-# Where a loader keeps its LoaderState: FastLoader sets it in its constructor,
+# Where a loader keeps its LoaderRuntime: FastLoader sets it in its constructor,
 # fastload.install() on first iteration of a plain DataLoader.
 STATE_ATTR = "_fastload_state"
 
@@ -187,7 +187,7 @@ class FastLoader(DataLoader[T_co]):
             # so its defaults apply and one it does not take fails there, in
             # its own words. Only num_workers="auto" is replaced first.
             args, kwargs, auto = _start_count_for_auto(args, kwargs)
-            self._fastload_state = LoaderState(LoaderOptions(  # STATE_ATTR
+            self._fastload_state = LoaderRuntime(LoaderOptions(  # STATE_ATTR
                 allow_gpu_in_workers=allow_gpu_in_workers, slot_bytes=slot_bytes,
                 held_batches=held_batches, reuse_workers=reuse_workers,
                 hang_timeout=hang_timeout, max_worker_restarts=max_worker_restarts,
@@ -204,11 +204,12 @@ class FastLoader(DataLoader[T_co]):
                 # loader's modules meanwhile. The zygote ends with the loader if
                 # no pool takes it; the server when the last loader is gone.
                 state = self._fastload_state
-                lease = state.lease_fork_server()
-                state.prepare_zygote(loader_modules(
+                hide = state.options.hide_accelerators
+                state.pools.lease_fork_server(hide)
+                state.pools.prepare_zygote(hide, loader_modules(
                     self.dataset, self.sampler, self.batch_sampler, self.collate_fn,
                     self.worker_init_fn))
-                weakref.finalize(self, release_lease, lease, state)
+                weakref.finalize(self, state.pools.release)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         state = self._fastload_state

@@ -10,7 +10,7 @@ Two kinds of message go between them (see docs/design.md, "The ring"):
 
   - ``(Op.SESSION, base_seed, inherited, resume, preloaded)``: start a
     session. Unless ``inherited``, the pool has just sent the worker, over
-    its socket, the memfd of the pickled ``(process state, dataset,
+    its socket, the memfd of the pickled ``(inherited settings, dataset,
     collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)``
     (:mod:`fastload.inherited`) followed by
     the fds of what the dataset shares (:func:`send_session` / the worker's

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils import ExceptionWrapper
 
 from fastload import _core
 from fastload.iterator.multi_process import FastLoaderIter
-from fastload.pool.ledger import Role, SlotLedger
-from fastload.iterator.loader_runtime import LoaderOptions, LoaderState
+from fastload.pool.ledger import SlotLedger
+from fastload.iterator.loader_runtime import LoaderOptions, LoaderRuntime
 from fastload.transport.overflow import OverflowSegments
 from fastload.protocol import SessionTask, encode_session
 
@@ -167,16 +167,16 @@ class FakePool:
     def alive(self) -> bool:
         return not self.shut_down and not self.dead
 
-    def start_session(self, parcel: Any, base_seed: int, workers: Optional[List[int]] = None,
+    def session_tasks(self, parcel: Any, base_seed: int, workers: Optional[List[int]] = None,
                       resume: Optional[list] = None,
-                      preload_timeout: Optional[float] = None) -> list:
+                      preload_timeout: Optional[float] = None) -> Iterator[Tuple[int, bytes]]:
         if workers is None and self.retired:  # a zygote pool's new session: fresh workers
             self.workers = [FakeWorker(self.real_ring, w) for w in range(self.capacity)]
             self.retired = False
         targets = range(self.num_workers) if workers is None else workers
         states = resume if resume is not None else [None] * self.capacity
-        return [self.ledger.assign(Role.SESSION, w, encode_session(base_seed, False, states[w]))
-                for w in targets]
+        for w in targets:
+            yield w, encode_session(base_seed, False, states[w])
 
     def retire(self) -> None:
         """Handed back to the loader: the workers are done, batches still in
@@ -224,7 +224,7 @@ class DrivenLoader(DataLoader):
         super().__init__(dataset, **kwargs)
         self.pools: List[FakePool] = []
         opts = {"hang_timeout": None, "slot_bytes": SLOT_BYTES, **(options or {})}
-        self.fastload_state = LoaderState(LoaderOptions(**opts), make_pool=self._new_pool)
+        self.fastload_state = LoaderRuntime(LoaderOptions(**opts), make_pool=self._new_pool)
 
     def _new_pool(self, **kwargs: Any) -> FakePool:
         fetcher = _DatasetKind.create_fetcher(self._dataset_kind, self.dataset,

@@ -292,8 +292,8 @@ def _run_scenario(sc: Scenario, ctl: Path, failures: Dict[str, List[str]], soft:
                 it._shutdown_workers()
             # The warm pool too (stopping, not looking: past the debug view).
             state = getattr(loader, STATE_ATTR, None)
-            if state is not None and state.idle_pool is not None:
-                state.idle_pool.shutdown()
+            if state is not None and state.pools.idle_pool is not None:
+                state.pools.idle_pool.shutdown()
         it = None
         loader = None
         gc.collect()

@@ -23,7 +23,8 @@ from .. import _core
 from ..stats.autoscale import (WindowClock, WorkerCountPolicy, cores_available, initial_workers,
                                worker_cap)
 from ..stats.meter import EpochMeter
-from .loader_runtime import LoaderOptions, forced_shm
+from ..pool.keeper import forced_shm
+from .loader_runtime import LoaderOptions
 
 log = logging.getLogger("fastload")
 

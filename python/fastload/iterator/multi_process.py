@@ -19,7 +19,7 @@ what to do and which never calls back into it:
   waits for their results under the supervisor, its end (NOTE [ Shutdown ]);
 * :class:`fastload.transport.reader.SlotReader`: a done slot back into a batch;
 * :class:`fastload.stats.meter.EpochMeter` (the loader's): what ``stats()`` says;
-* :class:`.loader_runtime.LoaderState` (the loader's): the pool, kept warm.
+* :class:`.loader_runtime.LoaderRuntime` (the loader's): the pool, kept warm.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ..debug_views import IteratorView, RingView
 from ..device.prefetch import DevicePrefetcher
-from ..inherited import ProcessState
+from ..inherited import InheritedSettings
 from ..launching import parcels
 from ..launching.start_methods import default_context
 from ..pool.ledger import Record
@@ -45,7 +45,7 @@ from ..resume import book
 from ..stats.meter import EpochMeter, loader_label, samples_in
 from ..transport.reader import SlotReader
 from .auto_count import AutoCount
-from .loader_runtime import LoaderState
+from .loader_runtime import LoaderRuntime
 from .resume_cursor import ResumeCursor
 from .schedule import Arrival, Due, TaskSchedule
 from .workers import PoolSession
@@ -56,7 +56,7 @@ log = logging.getLogger("fastload")
 class FastLoaderIter(_BaseDataLoaderIter):
     """Multi-process iterator over the ring; mirrors _MultiProcessingDataLoaderIter."""
 
-    def __init__(self, loader: DataLoader, state: LoaderState, *, stream_ops: Any = None,
+    def __init__(self, loader: DataLoader, state: LoaderRuntime, *, stream_ops: Any = None,
                  device_runtime: Any = None) -> None:
         """``state``: fastload's state for ``loader``; ``stream_ops`` and
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
@@ -108,15 +108,15 @@ class FastLoaderIter(_BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
         meter.started()
 
-    def _open_pool(self, loader: DataLoader, state: LoaderState,
+    def _open_pool(self, loader: DataLoader, state: LoaderRuntime,
                    device_runtime: Any) -> Optional[parcels.Parcel]:
         """Pack the session, take a pool (warm or new) and set up its parts;
         returns the packed session for the session's start."""
         opts = state.options
         parcel, ctx, inherited = parcels.pack_session(
-            (ProcessState.capture(), self._dataset, self._collate_fn, loader.worker_init_fn,
+            (InheritedSettings.capture(), self._dataset, self._collate_fn, loader.worker_init_fn,
              self._dataset_kind, self._auto_collation, self._drop_last),
-            loader.multiprocessing_context or default_context(), state)
+            loader.multiprocessing_context or default_context(), state.pools)
         pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,
                               persistent=self._persistent_workers, inherited=inherited,
                               capacity=self._capacity)
@@ -128,8 +128,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
             if runtime is not None:
                 pool.pin(runtime)
         pinner = self._pinner = pool.pinner if self._pin_memory else None
-        self._reader = SlotReader(pool.ring, pool.ledger, pool.overflow,
-                                  opts.held_batches, pinner)
+        self._reader = SlotReader(pool.ring, pool.overflow, opts.held_batches, pinner)
+        self._ledger = pool.ledger
         self._schedule = TaskSchedule(pool.ledger, self._capacity, self._prefetch_factor,
                                       self._in_order)
         self._session = PoolSession(
@@ -277,7 +277,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         t0 = time.perf_counter_ns()
         self._delivered_samples = samples_in(rec.index, self._auto_collation)
         try:
-            data = self._reader.take(rec)
+            ledger = self._ledger
+            data = self._reader.take(ledger.take(rec), ledger.live_leases())
             if self._reader.copied:
                 self._meter.copied += 1
             if rec.kind & FLAG_OVERFLOW:
@@ -286,7 +287,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
             self._cursor.taken(rec.worker, rec.idx, self._reader.snapshot, self._num_yielded)
             state = self._state_ref()
             if state is not None and self._reader.batch_bytes:
-                state.learn(self._reader.batch_bytes)
+                state.pools.learn(self._reader.batch_bytes)
             if self._prefetch_factor > 1:
                 # NOTE [ Ordering ]: the refill goes out at the next __next__;
                 # its index is drawn now, as DataLoader draws it.

@@ -16,7 +16,7 @@ from ..resume import capture
 from ..resume import book
 from ..device.prefetch import DevicePrefetcher, StreamOps
 from ..stats.meter import loader_label, samples_in
-from .loader_runtime import LoaderState
+from .loader_runtime import LoaderRuntime
 
 __all__ = ["SingleProcessIter"]
 
@@ -26,7 +26,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     (one batch copied ahead) when asked, and resume (NOTE [ Resume ] in
     :mod:`fastload.resume.book`)."""
 
-    def __init__(self, loader: DataLoader, state: LoaderState, ops: Optional[StreamOps]) -> None:
+    def __init__(self, loader: DataLoader, state: LoaderRuntime, ops: Optional[StreamOps]) -> None:
         self._prefetcher = DevicePrefetcher(ops) if ops is not None else None
         self._meter = state.meter
         self._meter.begin(0, loader_label(loader))

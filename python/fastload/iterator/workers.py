@@ -19,6 +19,7 @@ leased by the loop stay mapped until their last view dies.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, List, Optional
 
@@ -30,7 +31,7 @@ from ..protocol import FLAG_OVERFLOW, Kind
 from ..resume import book
 from ..stats.meter import EpochMeter
 from ..transport.reader import SlotReader
-from .loader_runtime import LoaderOptions, LoaderState
+from .loader_runtime import LoaderOptions, LoaderRuntime
 
 
 class PoolSession:
@@ -64,22 +65,20 @@ class PoolSession:
 
     # ---- the session -------------------------------------------------------
     def start(self, parcel: Optional[parcels.Parcel], num_workers: int,
-              resumes: Optional[List[Optional[tuple]]], state: LoaderState) -> None:
+              resumes: Optional[List[Optional[tuple]]], state: LoaderRuntime) -> None:
         """Wait out a spawned pool's orphans, then start session ``parcel``
         on ``num_workers`` workers, put back to ``resumes``."""
         assert self.pool is not None
         self.ledger.drain(self.wait_one)
         self._trim_slots(state)
         self.ledger.make_free(num_workers)
-        self.pool.start_session(parcel, self._base_seed, resume=resumes,
-                                preload_timeout=state.options.hang_timeout)
+        self._queue_sessions(parcel, resume=resumes, preload_timeout=state.options.hang_timeout)
 
     def start_added(self, added: List[int], capacity: int) -> None:
         """Start the session on workers ``num_workers="auto"`` just added."""
-        assert self.pool is not None
-        self.pool.start_session(self._parcel, self._base_seed, added, resume=[None] * capacity)
+        self._queue_sessions(self._parcel, added, resume=[None] * capacity)
 
-    def next_epoch(self, state: Optional[LoaderState]) -> None:
+    def next_epoch(self, state: Optional[LoaderRuntime]) -> None:
         """A persistent session's next epoch: DataLoader waits for every
         worker to acknowledge ``_ResumeIteration``; here the previous
         epoch's batches are waited out, then tasks carry the new epoch."""
@@ -87,10 +86,10 @@ class PoolSession:
         self._trim_slots(state)
         self.epoch += 1
 
-    def _trim_slots(self, state: Optional[LoaderState]) -> None:
+    def _trim_slots(self, state: Optional[LoaderRuntime]) -> None:
         """An epoch starts: free slots give back the pages an outlier batch
         made them keep (see SlotLedger.trim_free)."""
-        keep = state.slot_keep() if state is not None else None
+        keep = state.pools.slot_keep() if state is not None else None
         if keep is not None:
             self.ledger.trim_free(keep)
 
@@ -109,7 +108,17 @@ class PoolSession:
         states: List[Any] = [None] * pool.capacity
         if snapshot is not None:
             states[worker] = (tuple(book.decode(snapshot)), 0)
-        return pool.start_session(self._parcel, self._base_seed, [worker], resume=states)[0]
+        return self._queue_sessions(self._parcel, [worker], resume=states)[0]
+
+    def _queue_sessions(self, parcel: Optional[parcels.Parcel], workers: Optional[List[int]] = None,
+                        **kw: Any) -> List[Record]:
+        """Start a session on the pool's workers (or on ``workers``): the
+        pool sends each what it needs, and each one's session task is queued
+        in a slot the ledger assigns; the ledger frees it when it completes."""
+        assert self.pool is not None
+        with contextlib.closing(self.pool.session_tasks(parcel, self._base_seed, workers,
+                                                        **kw)) as tasks:
+            return [self.ledger.assign(Role.SESSION, w, task) for w, task in tasks]
 
     # ---- waiting -----------------------------------------------------------
     def wait_one(self, deadline: Optional[float] = None, needed: Optional[Record] = None,
@@ -160,12 +169,12 @@ class PoolSession:
         raise RuntimeError(msg)
 
     # ---- the end (NOTE [ Shutdown ]) ---------------------------------------
-    def keeps_warm(self, state: Optional[LoaderState], persistent: bool) -> bool:
+    def keeps_warm(self, state: Optional[LoaderRuntime], persistent: bool) -> bool:
         """Whether :meth:`hand_back` would give the pool back to the loader warm."""
         return (not self.shut_down and self.pool is not None and state is not None
                 and not persistent and self.pool.alive)
 
-    def hand_back(self, state: Optional[LoaderState], persistent: bool) -> None:
+    def hand_back(self, state: Optional[LoaderRuntime], persistent: bool) -> None:
         """End of the iterator: give a healthy pool back to the loader, warm
         (its unclaimed results freed first: see :meth:`keeps_warm`)."""
         if self.shut_down:

@@ -280,8 +280,8 @@ def read_memfd(fd: int) -> bytes:
     finally:
         os.close(fd)
 
-def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel], Any, Optional[tuple]]:
-    """The session a loader's workers get: ``payload`` = (process state,
+def pack_session(payload: tuple, ctx: Any, keeper: Any) -> Tuple[Optional[Parcel], Any, Optional[tuple]]:
+    """The session a loader's workers get: ``payload`` = (inherited settings,
     dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
     drop_last) packed for ``ctx``'s workers (the state first: see
     :mod:`fastload.inherited`). Returns (parcel, context, None), or
@@ -293,13 +293,15 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
     ``multiprocessing`` object) and the loader asked for no start method:
     DataLoader's default on Linux is fork, so fastload does what DataLoader
     does for this dataset, and says so once per loader
-    (``state.warned_fork``)."""
+    (``keeper.warned_fork``; ``keeper``: the loader's
+    :class:`~fastload.pool.keeper.PoolKeeper`, whose ``buffers`` hold the
+    copies of big buffers the session carries)."""
     if launcher_of(ctx) is None:
         return None, ctx, payload
     try:
         return pack(payload, "dataset, collate_fn and worker_init_fn",
                     names=(None, "dataset", "collate_fn", "worker_init_fn"),
-                    buffers=state.buffers), ctx, None
+                    buffers=keeper.buffers), ctx, None
     except ForkOnlyError as e:
         if ctx != default_context():
             add_note(e, "fastload: create it from the loader's start method, e.g. "
@@ -311,8 +313,8 @@ def pack_session(payload: tuple, ctx: Any, state: Any) -> Tuple[Optional[Parcel]
                     "forked from this process and inherit the dataset as it is, unpickled, "
                     "as DataLoader's are with its Linux default")
         raise
-    if not state.warned_fork:
-        state.warned_fork = True
+    if not keeper.warned_fork:
+        keeper.warned_fork = True
         log.warning("fastload: the dataset holds a multiprocessing object made in the "
                     "fork context, which only fork can hand over: its workers are "
                     "forked from this process, as DataLoader's are. Make it with "

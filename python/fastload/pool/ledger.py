@@ -177,10 +177,11 @@ class SlotLedger:
             self._overflow.discard(rec.worker, rec.seq)
         self._ring.release(rec.slot)
 
-    def taken(self, rec: Record) -> None:
-        """The iterator took a done batch: its slot is now the reader's to
-        lease or free, and no longer the ledger's."""
+    def take(self, rec: Record) -> Record:
+        """Hand done batch ``rec`` over to be read: its slot is from now on
+        the reader's to lease or free, and no longer the ledger's."""
         self._records.pop(rec.seq, None)
+        return rec
 
     # ---- iterators and pools -------------------------------------------------
     def orphan_batches(self) -> None:

@@ -2,7 +2,7 @@
 
 Owned by one loader iterator, or kept warm by its loader between
 iterators. Workers are forked from the pool's zygote by default, afresh for
-each session (:meth:`WorkerPool.start_session`: the zygote unpickles the
+each session (:meth:`WorkerPool.session_tasks`: the zygote unpickles the
 session once and its workers share it); spawned or forked workers (an
 explicit start method) are started with the pool and kept across sessions.
 :meth:`WorkerPool.shutdown` stops them,
@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import time
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from .. import _core
 from ..debug_views import PoolView, RingView
@@ -29,7 +29,7 @@ from ..launching.fork_server import Lineage
 from ..launching.spawn import hidden_env, spawn
 from ..launching.start_methods import launcher_of
 from ..launching.zygote import Zygote
-from .ledger import Record, Role, SlotLedger
+from .ledger import SlotLedger
 from ..device.pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
 from ..protocol import encode_session, send_session
@@ -229,7 +229,7 @@ class WorkerPool:
     # ---- num_workers="auto" ---------------------------------------------------
     def grow(self, n: int) -> List[int]:
         """Start workers up to ``n`` (at most :attr:`capacity`); returns the
-        new ones' ids. The caller starts their session (:meth:`start_session`
+        new ones' ids. The caller starts their session (:meth:`session_tasks`
         with ``workers``), as for a replacement."""
         if n > self.capacity:
             raise ValueError(f"fastload: a pool for {self.capacity} workers cannot grow to {n}")
@@ -306,14 +306,17 @@ class WorkerPool:
         """Whether a later iterator may start a session on this pool."""
         return self._inherited is None
 
-    def start_session(self, parcel: Optional[parcels.Parcel], base_seed: int,
+    def session_tasks(self, parcel: Optional[parcels.Parcel], base_seed: int,
                       workers: Optional[List[int]] = None,
                       resume: Optional[List[Optional[bytes]]] = None,
-                      preload_timeout: Optional[float] = None) -> List[Record]:
-        """Start a session on every worker (or, for replacement workers, on
-        those in ``workers``): its seeds, its objects and, to resume, the
-        state to put its generators back to (``resume[w]``); returns the
-        session records, which the ledger frees when they complete.
+                      preload_timeout: Optional[float] = None) -> Iterator[Tuple[int, bytes]]:
+        """Make ready a session on every worker (or, for replacement workers,
+        on those in ``workers``): its seeds, its objects and, to resume, the
+        state to put its generators back to (``resume[w]``). Yields each
+        worker and its session task, which the caller queues through the
+        ledger (the one owner of slot assignment) before it takes the next:
+        the task is what tells the worker to read what was sent on its
+        channel. Close the generator if you stop early.
 
         The objects (``parcel``: the pickled dataset and the fds of what it
         shares) reach a worker by inheritance where they can: a whole
@@ -326,13 +329,13 @@ class WorkerPool:
         states = resume if resume is not None else [None] * self.num_workers
         if parcel is None:
             assert self._inherited is not None
-            return [self.ledger.assign(Role.SESSION, w, encode_session(base_seed, True, states[w]))
-                    for w in targets]
+            for w in targets:
+                yield w, encode_session(base_seed, True, states[w])
+            return
         if workers is None and self._launcher == "zygote":
             self._fresh_workers(parcel, preload_timeout)
         fd = None
         try:
-            records = []
             for w in targets:
                 if self.lineage is not None and self.lineage.inherits(w):
                     task = encode_session(base_seed, resume=states[w],
@@ -343,8 +346,7 @@ class WorkerPool:
                     self.ledger.make_free(1)
                     send_session(self.workers.channels[w], [fd, *parcel.fds])
                     task = encode_session(base_seed, False, states[w])
-                records.append(self.ledger.assign(Role.SESSION, w, task))
-            return records
+                yield w, task
         finally:
             if fd is not None:
                 os.close(fd)

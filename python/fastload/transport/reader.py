@@ -40,14 +40,6 @@ class DoneBatch(Protocol):
     result: Optional[tuple]  # the ring's result, read by the ledger once the slot was READY
 
 
-class Ledger(Protocol):
-    """What the reader asks of the slot ledger (:class:`fastload.pool.ledger.SlotLedger`)."""
-
-    def taken(self, rec: Any) -> None: ...
-
-    def live_leases(self) -> int: ...
-
-
 class SlotReader:
     """Reads done batch slots of one ring for one iterator.
 
@@ -56,10 +48,9 @@ class SlotReader:
     the device runtime.
     """
 
-    def __init__(self, ring: _core.Ring, ledger: Ledger, overflow: OverflowSegments,
+    def __init__(self, ring: _core.Ring, overflow: OverflowSegments,
                  held_batches: int, pinner: Optional[PinnedRing] = None) -> None:
         self._ring = ring
-        self._ledger = ledger
         self._overflow = overflow
         self._held_batches = held_batches
         self._pinner = pinner
@@ -69,11 +60,13 @@ class SlotReader:
         # fastload.resume.book): the worker's state when it had made that batch.
         self.snapshot: Optional[bytes] = None
 
-    def take(self, rec: DoneBatch) -> Any:
-        """The batch in done record ``rec``'s slot (or its error, raised);
-        the slot is leased to the batch's tensors or freed."""
+    def take(self, rec: DoneBatch, leases: int) -> Any:
+        """The batch in done record ``rec``'s slot (or its error, raised),
+        handed over by the ledger (``SlotLedger.take``); the slot is leased
+        to the batch's tensors or freed. ``leases``: how many slots the loop
+        already holds (``SlotLedger.live_leases``): past ``held_batches``,
+        the batch is copied out of its slot."""
         ring = self._ring
-        self._ledger.taken(rec)
         kind, data_len, meta_off, meta_len, _make_ns = rec.result  # type: ignore[misc]
         self.snapshot = None
         self.copied = False
@@ -100,7 +93,7 @@ class SlotReader:
         if meta is None:
             meta = memoryview(lease)[meta_off : meta_off + meta_len]
         meta, self.snapshot = split_trailer(meta)
-        if self._ledger.live_leases() <= self._held_batches:
+        if leases <= self._held_batches:
             return _read(rec, meta, [lease, overflow])
         # The loop keeps batches alive: copy this one out so workers keep
         # enough slots to fill (never a deadlock, never an overwrite). Each

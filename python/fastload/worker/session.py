@@ -45,7 +45,7 @@ class Session:
         (self.dataset, self.collate_fn, init_fn, self.dataset_kind, self.auto_collation,
          self.drop_last) = (None, None, None, 0, True, False)
         try:
-            # The process state's environment and torch modes were applied
+            # The inherited settings' environment and torch modes were applied
             # as it was unpickled (here or in the zygote); its warnings
             # filters go in now, with the dataset's modules imported.
             (state, self.dataset, self.collate_fn, init_fn, self.dataset_kind,

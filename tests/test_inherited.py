@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
-from fastload.inherited import ProcessState
+from fastload.inherited import InheritedSettings
 
 VAR = "FASTLOAD_TEST_SETTING"
 GONE = "FASTLOAD_TEST_GONE"
@@ -100,7 +100,7 @@ def test_accelerators_stay_hidden_and_the_state_round_trips(monkeypatch) -> None
                                 module="some\\.module", lineno=7)
         warnings.simplefilter("ignore", ResourceWarning)
         warnings.simplefilter("ignore", SnoopWarning)
-        state = ProcessState.capture()
+        state = InheritedSettings.capture()
         captured_filters = list(warnings.filters)
         state.environ["CUDA_VISIBLE_DEVICES"] = "0"
         state.warning_filters.insert(0, ("ignore", None, ("not.imported.anywhere", "W"), None, 0))
