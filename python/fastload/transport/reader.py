@@ -149,8 +149,9 @@ def _nested_from_buffer(values: torch.Tensor, sizes: torch.Tensor, strides: torc
 
 
 
-class _BatchUnpickler(pickle.Unpickler):
-    """Rebuilds a batch's tensors as views of the slot (or overflow) bytes.
+class _Rebuild:
+    """Rebuilds a batch's tensors as views of the slot (or overflow) bytes:
+    the ``persistent_load`` of the batch's unpickler (:func:`read_batch`).
 
     Each tensor gets a storage of its own over just its bytes, as it would
     through DataLoader, where every tensor arrives in a shared-memory block
@@ -160,11 +161,16 @@ class _BatchUnpickler(pickle.Unpickler):
     bytes overlap (a row and its table, overlapping views) share one
     storage over the union, so aliasing survives the trip. See
     :class:`_Storages`.
+
+    A plain object whose method is set on a C ``pickle.Unpickler``, not a
+    subclass of it: this runs for every batch, and a Python subclass costs
+    more to make and to call back.
     """
 
-    def __init__(self, f: io.BytesIO, bases: List[Any], buffers: Optional[list],
-                 deferred: Optional[List[tuple]], copy: bool = False) -> None:
-        super().__init__(f, buffers=buffers)
+    __slots__ = ("_bases", "_copy", "_deferred", "_storages", "_memo", "_grad")
+
+    def __init__(self, bases: List[Any], deferred: Optional[List[tuple]],
+                 copy: bool = False) -> None:
         self._bases = bases
         self._copy = copy
         self._deferred = deferred
@@ -172,37 +178,39 @@ class _BatchUnpickler(pickle.Unpickler):
         self._memo: Dict[int, torch.Tensor] = {}
         self._grad: List[torch.Tensor] = []  # requires_grad set once storages are final
 
-    def load(self) -> Any:
-        out = super().load()
+    def load(self, body: Any, buffers: Optional[list]) -> Any:
+        """The batch pickled in ``body`` (out-of-band ``buffers``)."""
+        unpickler = pickle.Unpickler(io.BytesIO(body), buffers=buffers)
+        unpickler.persistent_load = self.persistent_load
+        out = unpickler.load()
         for t in self._grad:
             t.requires_grad_(True)
         return out
 
     def persistent_load(self, pid: tuple) -> torch.Tensor:
+        # Runs once per tensor of every batch: _build is inlined here.
         if len(pid) == 1:
             pid = self._deferred[pid[0]]  # type: ignore[index]
         t = self._memo.get(pid[-1])
-        if t is None:
-            if pid[0] is None:
-                t = _nested_from_buffer(*pid[1:-1])
-            else:
-                t = self._build(*pid[:-1])
-            self._memo[pid[-1]] = t
-        return t
-
-    def _build(self, buf: int, off: int, dtype: Any, shape: tuple, stride: tuple,
-               extent: int, requires_grad: bool) -> torch.Tensor:
-        if type(dtype) is int:
-            dtype = DTYPES[dtype]
-        if extent == 0:
-            t = torch.empty(shape, dtype=dtype)
+        if t is not None:
+            return t
+        buf = pid[0]
+        if buf is None:
+            t = _nested_from_buffer(*pid[1:-1])
         else:
-            storages = self._storages[buf]
-            if storages is None:
-                storages = self._storages[buf] = _Storages(self._bases[buf], self._copy)
-            t = storages.view(off, extent, dtype, shape, stride)
-        if requires_grad:
-            self._grad.append(t)
+            _buf, off, dtype, shape, stride, extent, requires_grad, k = pid
+            if type(dtype) is int:
+                dtype = DTYPES[dtype]
+            if extent == 0:
+                t = torch.empty(shape, dtype=dtype)
+            else:
+                storages = self._storages[buf]
+                if storages is None:
+                    storages = self._storages[buf] = _Storages(self._bases[buf], self._copy)
+                t = storages.view(off, extent, dtype, shape, stride)
+            if requires_grad:
+                self._grad.append(t)
+        self._memo[pid[-1]] = t
         return t
 
 
@@ -231,29 +239,41 @@ class _Storages:
 
     def view(self, off: int, extent: int, dtype: Any, shape: tuple, stride: tuple) -> torch.Tensor:
         lo, hi = off, off + extent
-        i = bisect.bisect_right(self._groups, lo, key=lambda g: g[0])
-        j = i - 1 if i and self._groups[i - 1][1] > lo else i  # first group overlapping
+        groups = self._groups
+        i = bisect.bisect_right(groups, lo, key=_group_start) if groups else 0
+        if (not i or groups[i - 1][1] <= lo) and (i == len(groups) or groups[i][0] >= hi):
+            # Overlaps no group (the usual case: a batch's tensors lie apart):
+            # a storage over just its bytes, made with its dtype, in one step.
+            if self._copy:
+                t = torch.frombuffer(bytearray(self._base[lo:hi]), dtype=dtype)
+            else:
+                t = torch.frombuffer(self._base, dtype=dtype, count=extent // dtype.itemsize,
+                                     offset=lo)
+            if len(shape) != 1 or stride[0] != 1 or shape[0] != t.shape[0]:
+                t = t.as_strided(shape, stride)
+            groups.insert(i, [lo, hi, None, [(t, off)]])
+            return t
+        j = i - 1 if i and groups[i - 1][1] > lo else i  # first group overlapping
         k = i
-        while k < len(self._groups) and self._groups[k][0] < hi:
+        while k < len(groups) and groups[k][0] < hi:
             k += 1  # groups j..k-1 overlap [lo, hi)
         size = dtype.itemsize
-        if (j == k - 1 and self._groups[j][0] <= lo and hi <= self._groups[j][1]
-                and (off - self._groups[j][0]) % size == 0):
-            group = self._groups[j]  # inside one group: view its storage
+        if (j == k - 1 and groups[j][0] <= lo and hi <= groups[j][1]
+                and (off - groups[j][0]) % size == 0):
+            group = groups[j]  # inside one group: view its storage
         else:
-            if j < k:
-                # Members may differ in dtype: a start aligned for the
-                # largest element keeps every member's offset a whole number
-                # of its elements (the writer aligns each tensor to its own).
-                # Groups the aligned start reaches join too, so that groups
-                # stay disjoint and sorted.
-                lo, hi = min(lo, self._groups[j][0]), max(hi, self._groups[k - 1][1])
+            # Members may differ in dtype: a start aligned for the largest
+            # element keeps every member's offset a whole number of its
+            # elements (the writer aligns each tensor to its own). Groups the
+            # aligned start reaches join too, so that groups stay disjoint
+            # and sorted.
+            lo, hi = min(lo, groups[j][0]), max(hi, groups[k - 1][1])
+            lo -= lo % _MAX_ITEMSIZE
+            while j and groups[j - 1][1] > lo:
+                j -= 1
+                lo = min(lo, groups[j][0])
                 lo -= lo % _MAX_ITEMSIZE
-                while j and self._groups[j - 1][1] > lo:
-                    j -= 1
-                    lo = min(lo, self._groups[j][0])
-                    lo -= lo % _MAX_ITEMSIZE
-            merged = self._groups[j:k]
+            merged = groups[j:k]
             if self._copy:  # over a bytearray: not resizable, as DataLoader's shared storages
                 u8 = torch.frombuffer(bytearray(self._base[lo:hi]), dtype=torch.uint8)
             else:
@@ -262,11 +282,18 @@ class _Storages:
             for m, m_off in members:
                 m.set_(u8.untyped_storage(), (m_off - lo) // m.element_size(), m.shape, m.stride())
             group = [lo, hi, u8, members]
-            self._groups[j:k] = [group]
+            groups[j:k] = [group]
         start = group[0]
-        t = group[2][off - start : off - start + extent].view(dtype).as_strided(shape, stride)
+        u8 = group[2]
+        if u8 is None:  # made by the fast path above: a uint8 tensor over the same storage
+            u8 = group[2] = torch.empty(0, dtype=torch.uint8).set_(group[3][0][0].untyped_storage())
+        t = u8[off - start : off - start + extent].view(dtype).as_strided(shape, stride)
         group[3].append((t, off))
         return t
+
+
+def _group_start(group: list) -> int:
+    return group[0]
 
 
 def read_batch(meta: Any, bases: List[Any], copy: bool = False) -> Any:
@@ -287,7 +314,7 @@ def read_batch(meta: Any, bases: List[Any], copy: bool = False) -> Any:
             views = [_bytes_view(b) for b in bases]
             buffers = [(bytearray(views[b][off : off + n]) if copy else views[b][off : off + n])
                        if n else memoryview(bytearray()) for b, off, n in descs]
-    return _BatchUnpickler(io.BytesIO(body), bases, buffers, deferred, copy).load()
+    return _Rebuild(bases, deferred, copy).load(body, buffers)
 
 
 def _bytes_view(base: Any) -> Optional[memoryview]:
