@@ -173,3 +173,36 @@ def test_a_slot_lost_track_of_is_noticed(pool: Pool) -> None:
     assert ledger.accounted_for()
     ring.pop_free_slot()  # taken off the free list behind the ledger's back
     assert not ledger.accounted_for()
+
+
+def test_waits_follow_records_that_come_go_and_complete_between_them(pool: Pool) -> None:
+    """wait() keeps what it waits for between calls: each change of the
+    records (a new task, a result, a discard, a reclaimed worker's batch
+    queued again) is seen by the next wait."""
+    ring, ledger = pool.ring, pool.ledger
+    a = ledger.assign(Role.BATCH, 0, b"a", idx=0)
+    assert ledger.wait(0.0) is None  # waits for a alone
+    b = ledger.assign(Role.BATCH, 1, b"b", idx=1)
+    w0, w1 = FakeWorker(ring, 0), FakeWorker(ring, 1)
+    w1.take()
+    w1.commit(b.slot)
+    assert ledger.wait(1.0) is b  # b, assigned after the last wait, is waited for
+    assert ledger.in_flight() == [a]
+    assert ledger.wait(0.0) is None  # b, done, is not waited for again
+    ledger.discard(b)
+    w0.take()
+    w0.commit(a.slot)
+    assert ledger.wait(1.0) is a
+    ledger.discard(a)
+    assert ledger.wait(0.0) is None and not ledger.busy()
+    c = ledger.assign(Role.BATCH, 0, b"c", idx=2)
+    assert ledger.wait(0.0) is None
+    ring.reset_worker(0)
+    [redo] = ledger.reclaim_worker(0)
+    assert redo is c and ledger.wait(0.0) is None and not ledger.busy()
+    ledger.reassign(c, 1)  # queued again under a new stamp
+    w1.take()
+    w1.commit(c.slot)
+    assert ledger.wait(1.0) is c and c.done
+    ledger.discard(c)
+    assert ring.free_slot_count() == ring.num_slots and ledger.accounted_for()

@@ -93,6 +93,13 @@ def _describe_indices(index: Any, limit: int = 16) -> str:
     return f", sample index {index!r}"
 
 
+def _where(session: Session, task: FetchTask) -> str:
+    """Where an error making ``task``'s batch arose, for its message (made
+    only then: describing a batch's indices costs microseconds per batch)."""
+    return (f"{session.where} (batch {task.batch_idx} of the epoch"
+            f"{_describe_indices(task.index)})")
+
+
 def recv_session(sock: socket.socket) -> Tuple[bytes, List[int]]:
     """The session the pool sent: the pickled bytes and the fds of what the
     dataset shares."""
@@ -263,7 +270,6 @@ class _TaskLoop:
         """Fetch and collate the batch into ``slot``, then commit it (or the
         error that stopped it)."""
         index = task.index
-        where = f"{session.where} (batch {task.batch_idx} of the epoch{_describe_indices(index)})"
         writer = self.writer
         writer.begin(slot)
         try:
@@ -274,11 +280,13 @@ class _TaskLoop:
                 session.iteration_end = True
                 self._ring.commit(slot, Kind.EXHAUSTED, 0, 0, 0)
             else:
-                self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
+                self._commit_error(slot, ExceptionWrapper(where=_where(session, task)),
+                                   session.capture())
             return
         except Exception:
             writer.abort()
-            self._commit_error(slot, ExceptionWrapper(where=where), session.capture())
+            self._commit_error(slot, ExceptionWrapper(where=_where(session, task)),
+                               session.capture())
             return
         trailer = session.capture()
         try:
@@ -286,7 +294,7 @@ class _TaskLoop:
         except Exception:
             del data
             self._commit_error(slot, ExceptionWrapper(
-                where=f"{where} while sending it to the main process"), trailer)
+                where=f"{_where(session, task)} while sending it to the main process"), trailer)
             return
         del data  # no reference to the batch is left once it is committed
         self._commit_batch(slot, seq, data_len, meta_off, meta_len, ofd, t0)
