@@ -25,6 +25,8 @@ REQUIRED: List[Tuple[str, str, str]] = [
     ("torch.utils.data", "_DatasetKind.create_fetcher", "worker_session: the fetcher"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter._reset", "FastLoaderIter's base"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter._next_index", "loader, single_process"),
+    ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", "FastLoaderIter, a profiler on"),
+    ("torch._C._autograd", "_profiler_enabled", "FastLoaderIter: is a profiler on"),
     ("torch.utils.data.dataloader", "_SingleProcessDataLoaderIter", "num_workers=0"),
     ("torch.utils.data._utils", "HAS_NUMPY", "worker_session: numpy's seed"),
     ("torch.utils.data._utils.worker", "_generate_state", "worker_session: numpy's seed"),
