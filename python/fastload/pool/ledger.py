@@ -29,7 +29,7 @@ into the iterator. Its waits return what completed and the caller decides.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .. import _core
 from ..device.pinning import ReleaseGate
@@ -81,10 +81,6 @@ class SlotLedger:
         self._overflow = overflow
         self._records: Dict[int, Record] = {}  # seq -> record, in stamp order
         self._seq = 0
-        self._num_slots = ring.num_slots
-        # What wait() waits for, (records, slots, stamps), kept between
-        # waits: None once a record came, went or got its result.
-        self._waiting: Optional[Tuple[List[Record], List[int], List[int]]] = None
         self._gate: Optional[ReleaseGate] = None  # a pinned ring's
 
     # ---- handing out slots ---------------------------------------------------
@@ -120,13 +116,11 @@ class SlotLedger:
         # Recorded before the assign: a KeyboardInterrupt delivered right after
         # it must not leave a task in flight that nobody waits for.
         self._records[rec.seq] = rec
-        self._waiting = None
         try:
             self._ring.assign(slot, rec.seq, worker, task)
         except BaseException:
             if self._ring.state(slot) == _core.SlotState.FREE:  # not handed out: undo
                 del self._records[rec.seq]
-                self._waiting = None
                 self._ring.push_free_slot(slot)
             raise
         return rec
@@ -149,15 +143,11 @@ class SlotLedger:
         worker the pool watches died (the ring's wait returns at once; the
         caller looks at its workers either way).
         """
-        cached = self._waiting
-        if cached is None:
-            waiting = self.in_flight()
-            cached = self._waiting = (waiting, [r.slot for r in waiting],
-                                      [r.seq for r in waiting])
-        waiting = cached[0]
+        waiting = self.in_flight()
         if not waiting:
             return None
-        status, which = self._ring.wait_any(cached[1], cached[2], timeout)
+        status, which = self._ring.wait_any([r.slot for r in waiting],
+                                            [r.seq for r in waiting], timeout)
         if status != _core.WaitResult.READY:
             return None
         rec = waiting[which]
@@ -171,7 +161,6 @@ class SlotLedger:
         result = rec.result = self._ring.result(rec.slot)
         rec.kind, rec.make_ns = result[0], result[4]
         rec.done = True
-        self._waiting = None
 
     def drain(self, wait: Callable[[], Optional[Record]]) -> None:
         """Wait out every in-flight record (``wait``: the caller's own, which
@@ -183,8 +172,7 @@ class SlotLedger:
 
     def discard(self, rec: Record) -> None:
         """Free a done record's slot unread (and its overflow segment, if it has one)."""
-        if self._records.pop(rec.seq, None) is not None:
-            self._waiting = None
+        self._records.pop(rec.seq, None)
         if rec.done and rec.kind & FLAG_OVERFLOW:
             self._overflow.discard(rec.worker, rec.seq)
         self._ring.release(rec.slot)
@@ -193,8 +181,6 @@ class SlotLedger:
         """Hand done batch ``rec`` over to be read: its slot is from now on
         the reader's to lease or free, and no longer the ledger's."""
         self._records.pop(rec.seq, None)
-        if not rec.done:  # not so for the reader's records; kept exact all the same
-            self._waiting = None
         return rec
 
     # ---- iterators and pools -------------------------------------------------
@@ -211,7 +197,6 @@ class SlotLedger:
     def forget(self) -> None:
         """The pool is stopping: nothing will be waited for any more."""
         self._records.clear()
-        self._waiting = None
 
     def accounted_for(self) -> bool:
         """Every slot is free, leased by the loop, or in the ledger.
@@ -226,7 +211,7 @@ class SlotLedger:
     def live_leases(self) -> int:
         """Slots leased to the training loop (batches it still holds)."""
         held = len(self._gate) if self._gate is not None else 0  # waiting for device copies
-        return self._num_slots - self._ring.free_slot_count() - len(self._records) - held
+        return self._ring.num_slots - self._ring.free_slot_count() - len(self._records) - held
 
     def trim_free(self, keep: int) -> int:
         """Give back the pages of every free slot past its first ``keep``
@@ -264,7 +249,6 @@ class SlotLedger:
             if rec.done or self._ring.is_ready(rec.slot, rec.seq) or not self._ring.reclaim(rec.slot):
                 continue
             del self._records[rec.seq]
-            self._waiting = None
             self._overflow.forget(rec.seq)
             if rec.role is Role.BATCH:
                 redo.append(rec)
@@ -283,7 +267,6 @@ class SlotLedger:
                 self.discard(rec)
                 continue
             del self._records[rec.seq]
-            self._waiting = None
             self._overflow.forget(rec.seq)
             if self._ring.reclaim(rec.slot):  # unfinished: back to the free list
                 self._ring.push_free_slot(rec.slot)
@@ -293,6 +276,5 @@ class SlotLedger:
         rec.seq = self._next_seq()
         rec.worker = worker
         self._records[rec.seq] = rec
-        self._waiting = None
         self._ring.assign(rec.slot, rec.seq, worker, rec.task)
 
