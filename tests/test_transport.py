@@ -147,12 +147,12 @@ class RingWay:
         self.worker = FakeWorker(self.ring, 0, self.channels.theirs[0])
         self.writer = SlotWriter(self.worker.ring.payload_region(), self.ring.slot_bytes)
 
-    def send(self, obj: Any, snapshot: tuple = ("capture",)) -> Any:
+    def send(self, obj: Any, capture: tuple = ("capture",)) -> Any:
         """``obj`` made by the worker as a batch and taken by the reader."""
         rec = self.ledger.assign(Role.BATCH, 0, b"task", idx=0, index=[0])
         slot, seq = self.worker.take()  # type: ignore[misc]
         self.writer.begin(slot)
-        data_len, meta_off, meta_len, fd, _total = self.writer.finish(obj, trailer(snapshot))
+        data_len, meta_off, meta_len, fd, _total = self.writer.finish(obj, trailer(capture))
         kind = Kind.DATA
         if fd is not None:
             try:
@@ -195,7 +195,7 @@ def way() -> Iterator[RingWay]:
 def test_through_a_ring_the_batch_views_its_slot_until_its_last_tensor_dies(way: RingWay) -> None:
     batch = way.send({"x": torch.arange(10), "name": "a"})
     _same(batch, {"x": torch.arange(10), "name": "a"})
-    assert not way.reader.copied and pickle.loads(way.reader.snapshot) == ("capture",)
+    assert not way.reader.copied and pickle.loads(way.reader.capture) == ("capture",)
     assert way.ring.state(0) == _core.SlotState.LEASED
     del batch
     gc.collect()
@@ -207,7 +207,7 @@ def test_through_a_ring_a_batch_bigger_than_its_slot_comes_with_its_segment(way:
     before = open_fds()
     batch = way.send((big, torch.tensor([1, 2])))
     _same(batch, (big, torch.tensor([1, 2])))
-    assert pickle.loads(way.reader.snapshot) == ("capture",)
+    assert pickle.loads(way.reader.capture) == ("capture",)
     assert way.reader.batch_bytes >= big.numel() * 8 and not len(way.overflow)
     del batch
     gc.collect()  # the mapping goes with the last tensor viewing it
@@ -227,7 +227,7 @@ def test_through_a_ring_a_batch_past_held_batches_is_copied_and_its_slot_freed()
 def test_through_a_ring_an_error_is_raised_with_its_type_and_frees_the_slot(way: RingWay) -> None:
     with pytest.raises(KeyError, match="sample 7"):
         way.fail(KeyError("sample 7"))
-    assert pickle.loads(way.reader.snapshot) == ("capture",)
+    assert pickle.loads(way.reader.capture) == ("capture",)
     assert way.ring.free_slot_count() == way.ring.num_slots
 
 

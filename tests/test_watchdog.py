@@ -9,6 +9,7 @@ import pathlib
 import re
 import signal
 import time
+from typing import Any, Iterator, Tuple
 
 import pytest
 
@@ -90,17 +91,25 @@ def test_a_worker_stopped_before_it_joins_the_ring_is_a_hang(restarts: int) -> N
     assert wait_pids_gone([pid]) == []
 
 
+def _slow_starting(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,
+                   **start: float) -> Tuple[Iterator[Any], int]:
+    """An iterator over one spawned worker whose start-up, before it joins
+    the ring, is slowed as ``start`` says (see support.slow_start), with
+    hang_timeout=0.5; and the worker's pid."""
+    slow_start(monkeypatch, str(tmp_path), **start)
+    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
+                        hang_timeout=0.5, multiprocessing_context="spawn")
+    it = iter(loader)
+    return it, debug_view(it).worker_pids[0]
+
+
 def test_a_worker_busy_starting_for_longer_than_hang_timeout_is_not_a_hang(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Until a worker joins the ring, the CPU time it uses is its progress: a
     # spawned worker busy for longer than hang_timeout before it joins (as
     # one importing torch on a slow machine is) is starting, not hung. Its
     # start-up here burns twice hang_timeout of CPU time first.
-    slow_start(monkeypatch, str(tmp_path), busy_s=1.0)
-    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
-                        hang_timeout=0.5, multiprocessing_context="spawn")
-    it = iter(loader)
-    pid = debug_view(it).worker_pids[0]
+    it, pid = _slow_starting(monkeypatch, tmp_path, busy_s=1.0)
     assert [b.tolist() for b in it] == [[0, 1], [2, 3]]
     # The slow part of the start-up did run, in that worker (a spawned
     # worker that skipped it would test nothing).
@@ -113,11 +122,7 @@ def test_a_worker_blocked_starting_for_hang_timeout_is_a_hang(
     # The other side: a worker that uses no CPU time before it has joined
     # (blocked on a lock or a file system that does not answer; here asleep)
     # is hung, as a stopped one is.
-    slow_start(monkeypatch, str(tmp_path), sleep_s=60)
-    loader = FastLoader(Misbehave(4, {}, seconds=0), batch_size=2, num_workers=1,
-                        hang_timeout=0.5, multiprocessing_context="spawn")
-    it = iter(loader)
-    pid = debug_view(it).worker_pids[0]
+    it, pid = _slow_starting(monkeypatch, tmp_path, sleep_s=60)
     t0 = time.monotonic()
     with pytest.raises(WorkerHangError, match=rf"worker 0 \(pid {pid}\) made no progress for "
                                               r"\d+ s on its start-up"):

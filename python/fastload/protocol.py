@@ -19,7 +19,7 @@ Two kinds of message go between them (see docs/design.md, "The ring"):
     ``preloaded`` is a session number, from the zygote that had unpickled
     that session before forking the worker (``zygote.preloaded``). The worker seeds
     itself as a fresh DataLoader worker, runs ``worker_init_fn``, and then,
-    if ``resume`` (``(snapshot, samples to skip)`` from
+    if ``resume`` (``(capture, samples to skip)`` from
     :func:`fastload.resume.book.worker_resume`) is given, puts its
     random generators and dataset replica back where they were.
   - ``(Op.FETCH, epoch, batch_idx, index)``: make one batch. A new

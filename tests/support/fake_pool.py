@@ -153,14 +153,14 @@ class FakePool:
             return
         self.fetches.append(Fetch(w, task.epoch, task.batch_idx, task.index, slot))
         assert self._fetch is not None, "this pool's workers make no batches"
-        snapshot = ("worker", w, "batch", task.batch_idx)
+        capture = ("worker", w, "batch", task.batch_idx)
         try:
             batch = self._fetch(task.index)
         except Exception:
             worker.commit_error(slot, ExceptionWrapper(where=f"in DataLoader worker process {w}"),
-                                snapshot)
+                                capture)
             return
-        worker.commit_batch(slot, batch, snapshot, make_ns=1000)
+        worker.commit_batch(slot, batch, capture, make_ns=1000)
 
     # ---- what a WorkerPool answers ----------------------------------------------
     @property

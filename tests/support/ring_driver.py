@@ -116,19 +116,19 @@ class FakeWorker:
         payload = memoryview(self.ring.payload_region()).cast("B")
         return slot, seq, decode_task(payload[start : start + n])
 
-    def commit_batch(self, slot: int, batch: Any, snapshot: Any = None, make_ns: int = 0) -> None:
+    def commit_batch(self, slot: int, batch: Any, capture: Any = None, make_ns: int = 0) -> None:
         """Write ``batch`` into ``slot`` as a worker does (its resume capture
-        ``snapshot`` after it) and commit it; it must fit the slot."""
+        ``capture`` after it) and commit it; it must fit the slot."""
         if self._writer is None:
             self._writer = SlotWriter(self.ring.payload_region(), self.ring.slot_bytes)
         self._writer.begin(slot)
-        data_len, meta_off, meta_len, overflow_fd, _ = self._writer.finish(batch, trailer(snapshot))
+        data_len, meta_off, meta_len, overflow_fd, _ = self._writer.finish(batch, trailer(capture))
         assert overflow_fd is None, "a fake worker's batch must fit its slot"
         self.ring.commit(slot, Kind.DATA, data_len, meta_off, meta_len, make_ns)
 
-    def commit_error(self, slot: int, error: ExceptionWrapper, snapshot: Any = None) -> None:
+    def commit_error(self, slot: int, error: ExceptionWrapper, capture: Any = None) -> None:
         """Commit ``error`` (what a worker caught making the batch) as the slot's result."""
-        meta = pickle.dumps(error) + trailer(snapshot)
+        meta = pickle.dumps(error) + trailer(capture)
         start = slot * self.ring.slot_bytes
         memoryview(self.ring.payload_region()).cast("B")[start : start + len(meta)] = meta
         self.ring.commit(slot, Kind.ERROR, 0, 0, len(meta))

@@ -304,7 +304,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
             if rec.kind & FLAG_OVERFLOW:
                 self._meter.overflow += 1
         finally:
-            self._cursor.taken(rec.worker, rec.idx, self._reader.snapshot, self._num_yielded)
+            self._cursor.taken(rec.worker, rec.idx, self._reader.capture, self._num_yielded)
             state = self._state_ref()
             if state is not None and self._reader.batch_bytes:
                 state.pools.learn(self._reader.batch_bytes)

@@ -125,9 +125,9 @@ class ResumeCursor:
         self._drawn += 1
         return index
 
-    def taken(self, worker: int, idx: int, snapshot: Any, yielded: int) -> None:
-        """Batch ``idx`` of ``worker`` left the ring with capture ``snapshot``."""
-        self.book.taken(worker, idx, snapshot, yielded)
+    def taken(self, worker: int, idx: int, capture: Any, yielded: int) -> None:
+        """Batch ``idx`` of ``worker`` left the ring with capture ``capture``."""
+        self.book.taken(worker, idx, capture, yielded)
 
     def state(self, *, yielded: int, finished: bool, persistent: bool, base_seed: int,
               num_workers: int,

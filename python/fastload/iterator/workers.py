@@ -102,12 +102,12 @@ class PoolSession:
         assert pool is not None
         finished = [r for r in pool.ledger.of_worker(worker) if r.role is Role.BATCH and
                     (r.done or pool.ring.is_ready(r.slot, r.seq))]
-        snapshot = self._book.made[worker]
+        capture = self._book.last_made[worker]
         if finished:
-            snapshot = self._reader.peek_snapshot(max(finished, key=lambda r: r.idx))
+            capture = self._reader.peek_capture(max(finished, key=lambda r: r.idx))
         states: List[Any] = [None] * pool.capacity
-        if snapshot is not None:
-            states[worker] = (tuple(book.decode(snapshot)), 0)
+        if capture is not None:
+            states[worker] = (tuple(book.decode(capture)), 0)
         return self._queue_sessions(self._parcel, [worker], resume=states)[0]
 
     def _queue_sessions(self, parcel: Optional[parcels.Parcel], workers: Optional[List[int]] = None,

@@ -159,9 +159,9 @@ class ResumeBook:
     """
 
     def __init__(self, num_workers: int) -> None:
-        self.last: List[Any] = [None] * num_workers
+        self.last_delivered: List[Any] = [None] * num_workers
         self.last_epoch: List[int] = [-1] * num_workers
-        self.made: List[Any] = [None] * num_workers
+        self.last_made: List[Any] = [None] * num_workers
         self.start: Optional[Dict[str, Any]] = None
         self.epoch = -1
         self._pending: Deque[Tuple[int, int, int, Any]] = collections.deque()
@@ -185,16 +185,16 @@ class ResumeBook:
     def resumed(self, workers: List[Any], this_epoch: List[bool]) -> None:
         """Start from a loaded state's worker captures (before the first epoch;
         ``this_epoch``: the capture is of the epoch being resumed)."""
-        self.last = list(workers)
-        self.made = list(workers)
+        self.last_delivered = list(workers)
+        self.last_made = list(workers)
         self.last_epoch = [self.epoch + 1 if cur else -1 for cur in this_epoch]
 
-    def taken(self, worker: int, idx: int, snapshot: Any, yielded: int) -> None:
+    def taken(self, worker: int, idx: int, capture: Any, yielded: int) -> None:
         """Batch ``idx`` of ``worker`` left the ring (``yielded``: how many
         batches the loop has received so far this epoch)."""
-        if snapshot is not None:
-            self.made[worker] = snapshot
-        self._pending.append((self._taken, worker, idx, snapshot))
+        if capture is not None:
+            self.last_made[worker] = capture
+        self._pending.append((self._taken, worker, idx, capture))
         self._taken += 1
         if len(self._pending) > 2:
             self.fold(yielded)
@@ -202,9 +202,9 @@ class ResumeBook:
     def fold(self, yielded: int) -> None:
         """Move what the loop has received out of ``_pending``."""
         while self._pending and self._pending[0][0] < yielded:
-            _n, worker, idx, snapshot = self._pending.popleft()
-            if snapshot is not None:
-                self.last[worker] = snapshot
+            _n, worker, idx, capture = self._pending.popleft()
+            if capture is not None:
+                self.last_delivered[worker] = capture
                 self.last_epoch[worker] = self.epoch
             self._ahead.add(idx)
             while self.first_undelivered in self._ahead:
@@ -213,18 +213,18 @@ class ResumeBook:
 
     def worker_states(self) -> List[Optional[Dict[str, Any]]]:
         """Per worker, its capture (plain data) and whether it is of this epoch."""
-        return [None if snap is None else
-                {"capture": _saved_capture(decode(snap)),
+        return [None if cap is None else
+                {"capture": _saved_capture(decode(cap)),
                  "this_epoch": self.last_epoch[w] == self.epoch}
-                for w, snap in enumerate(self.last)]
+                for w, cap in enumerate(self.last_delivered)]
 
     def ahead(self) -> List[int]:
         return sorted(self._ahead)
 
 
-def decode(snapshot: Any) -> Any:
+def decode(capture: Any) -> Any:
     """A capture as plain data (it travels pickled from the worker)."""
-    return pickle.loads(snapshot) if isinstance(snapshot, bytes) else snapshot
+    return pickle.loads(capture) if isinstance(capture, bytes) else capture
 
 
 def worker_resume(state: Optional[Dict[str, Any]], mid_epoch: bool) -> Optional[tuple]:

@@ -93,15 +93,15 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def apply(session: Any, resume: Optional[tuple]) -> None:
     """Worker side, at the end of a session's set-up: put the replica and
-    the generators back to ``resume`` = (snapshot, samples to skip)."""
+    the generators back to ``resume`` = (capture, samples to skip)."""
     if resume is None:
         return
-    snapshot, skip = resume
-    if skip or snapshot[4] is not None:
+    capture, skip = resume
+    if skip or capture[4] is not None:
         # Mid-epoch: the fetcher made here is that epoch's (the first epoch
         # of the resumed iterator, tagged 0); the next epoch makes a new one.
         session.epoch = 0
-    ds_state = snapshot[4]
+    ds_state = capture[4]
     if ds_state is not None:
         session.dataset.load_state_dict(ds_state)
         session.fetcher = session.make_fetcher()  # its iterator starts where the state says
@@ -113,12 +113,12 @@ def apply(session: Any, resume: Optional[tuple]) -> None:
             except StopIteration:
                 session.iteration_end = True
                 break
-    restore_generators(snapshot)
+    restore_generators(capture)
 
 
-def restore_generators(snapshot: tuple) -> None:
-    """Put a worker's generators back to ``snapshot`` (see :func:`capture`)."""
-    (version, internal, gauss), torch_state, np_state = snapshot[0], snapshot[1], snapshot[2]
+def restore_generators(capture: tuple) -> None:
+    """Put a worker's generators back to ``capture`` (see :func:`capture`)."""
+    (version, internal, gauss), torch_state, np_state = capture[0], capture[1], capture[2]
     random.setstate((version, tuple(array.array("I", internal)), gauss))
     torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
     if np_state is not None:

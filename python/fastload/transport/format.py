@@ -104,9 +104,9 @@ def layout(t: torch.Tensor) -> Tuple[Any, Tuple[int, ...], Tuple[int, ...]]:
 _TRAILER_LEN = struct.Struct("<I")
 
 
-def trailer(snapshot: tuple) -> bytes:
-    """``snapshot`` as it follows a result's meta in its slot: a pickle and its length."""
-    data = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+def trailer(capture: tuple) -> bytes:
+    """``capture`` as it follows a result's meta in its slot: a pickle and its length."""
+    data = pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL)
     return data + _TRAILER_LEN.pack(len(data))
 
 

@@ -58,7 +58,7 @@ class SlotReader:
         self.copied = False  # the batch last read was copied out of its slot (held_batches)
         # The resume capture that came with the batch last taken (pickled; see
         # fastload.resume.book): the worker's state when it had made that batch.
-        self.snapshot: Optional[bytes] = None
+        self.capture: Optional[bytes] = None
 
     def take(self, rec: DoneBatch, leases: int) -> Any:
         """The batch in done record ``rec``'s slot (or its error, raised),
@@ -68,11 +68,11 @@ class SlotReader:
         the batch is copied out of its slot."""
         ring = self._ring
         kind, data_len, meta_off, meta_len, _make_ns = rec.result  # type: ignore[misc]
-        self.snapshot = None
+        self.capture = None
         self.copied = False
         if kind == Kind.ERROR:
             try:
-                error, self.snapshot = split_trailer(self._bytes(rec.slot, meta_len))
+                error, self.capture = split_trailer(self._bytes(rec.slot, meta_len))
                 wrapper = pickle.loads(error)
             finally:
                 ring.release(rec.slot)
@@ -92,7 +92,7 @@ class SlotReader:
                  else ring.lease(rec.slot, lease_len))
         if meta is None:
             meta = memoryview(lease)[meta_off : meta_off + meta_len]
-        meta, self.snapshot = split_trailer(meta)
+        meta, self.capture = split_trailer(meta)
         if leases <= self._held_batches:
             return _read(rec, meta, [lease, overflow])
         # The loop keeps batches alive: copy this one out so workers keep
@@ -106,7 +106,7 @@ class SlotReader:
         finally:
             del lease  # frees the slot now: nothing read refers to it
 
-    def peek_snapshot(self, rec: DoneBatch) -> Optional[bytes]:
+    def peek_capture(self, rec: DoneBatch) -> Optional[bytes]:
         """The resume capture of a batch still in its slot, left there (None
         if its meta lies in an overflow segment). The slot is READY; the
         ledger may not have seen it yet."""
