@@ -417,7 +417,7 @@ def test_empty_dataset():
 def test_add_note_without_python_support():
     """On Python 3.10 (no BaseException.add_note) notes still land in
     ``__notes__``, as PEP 678 and its backports read them."""
-    from fastload.errors import add_note
+    from fastload.common.errors import add_note
 
     class NoAddNote(Exception):
         def __getattribute__(self, name):

@@ -226,18 +226,18 @@ def _unit_graph(graph: Graph) -> Dict[str, Set[str]]:
 # What runs where decides who may import whom: code that runs in a worker
 # never needs the main process's pool or iterators; the pool (a ring and
 # its processes) is used by the iterators and never uses them; the leaves
-# below are used by every layer and use none of them, nor the modules that
-# consume the whole loader.
+# below are used by every layer and use none of them. The top-level modules
+# consume the whole loader (the public surface): no subpackage imports them.
 CONSUMERS = {"fastload.loader", "fastload.install", "fastload.debug", "fastload.run_report",
              "fastload.__main__", "fastload.bench"}
+LAYERS = {"fastload.worker", "fastload.pool", "fastload.iterator"}
+LEAVES = ("fastload.common", "fastload.launching", "fastload.transport", "fastload.resume",
+          "fastload.stats", "fastload.device")
 MAY_NOT_IMPORT = {
     "fastload.worker": {"fastload.pool", "fastload.iterator", *CONSUMERS},
     "fastload.pool": {"fastload.iterator", *CONSUMERS},
-    "fastload.iterator": CONSUMERS - {"fastload.bench"},
-    **{leaf: {"fastload.worker", "fastload.pool", "fastload.iterator", *CONSUMERS}
-       for leaf in ("fastload.launching", "fastload.transport", "fastload.resume",
-                    "fastload.stats", "fastload.device", "fastload.debug_views",
-                    "fastload.protocol", "fastload.errors")},
+    "fastload.iterator": CONSUMERS,
+    **{leaf: LAYERS | CONSUMERS for leaf in LEAVES},
 }
 
 
@@ -272,3 +272,13 @@ def test_the_top_level_keeps_to_the_public_surface() -> None:
     root = Path(importlib.import_module("fastload").__file__).parent  # type: ignore[arg-type]
     modules = sorted(p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(modules) <= 12, f"{len(modules)} modules at the top level: {modules}"
+    assert {f"fastload.{m}" for m in modules} <= CONSUMERS, "a top-level module no consumer"
+    graph = _graph("fastload")
+    for module, targets in graph.items():  # the package itself: its __init__ is public surface
+        if module.count(".") >= 2 and not module.startswith("fastload.bench"):
+            assert "fastload" not in targets, f"{module} imports the fastload package itself"
+    units = _unit_graph(graph)
+    for unit, targets in units.items():
+        if unit.count(".") == 1 and unit not in CONSUMERS:  # a subpackage (or the extension)
+            top = {t for t in targets if t in CONSUMERS and t != "fastload.bench"}
+            assert not top, f"{unit} imports the top-level {sorted(top)}"

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fastload import FastLoader
-from fastload.inherited import InheritedSettings
+from fastload.common.inherited import InheritedSettings
 
 VAR = "FASTLOAD_TEST_SETTING"
 GONE = "FASTLOAD_TEST_GONE"
@@ -160,7 +160,7 @@ import sys
 import torch
 from torch.utils.data import Dataset
 import fastload
-from fastload.inherited import set_deterministic
+from fastload.common.inherited import set_deterministic
 
 
 class Snoop(Dataset):

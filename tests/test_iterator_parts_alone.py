@@ -15,7 +15,7 @@ from fastload.iterator.loader_runtime import LoaderOptions
 from fastload.iterator.resume_cursor import ResumeCursor
 from fastload.iterator.schedule import Arrival, Due, TaskSchedule
 from fastload.pool.ledger import SlotLedger
-from fastload.protocol import Kind, decode_task
+from fastload.common.protocol import Kind, decode_task
 from support.ring_driver import Channels, FakeWorker, new_ring
 
 

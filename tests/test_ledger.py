@@ -10,7 +10,7 @@ import pytest
 
 from fastload import _core
 from fastload.pool.ledger import Role, SlotLedger
-from fastload.protocol import FLAG_OVERFLOW, Kind, encode_fetch
+from fastload.common.protocol import FLAG_OVERFLOW, Kind, encode_fetch
 from support.processes import open_fds
 from support.ring_driver import Channels, FakeWorker, new_ring
 

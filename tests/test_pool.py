@@ -23,8 +23,8 @@ from fastload import _core
 from fastload.launching import parcels as crossing
 from fastload.pool.ledger import Role
 from fastload.pool.worker_pool import WorkerPool
-from fastload.protocol import SessionTask, decode_task, recv_session_fds
-from fastload.protocol import WorkerSpec
+from fastload.common.protocol import SessionTask, decode_task, recv_session_fds
+from fastload.common.protocol import WorkerSpec
 from support.processes import open_fds
 from support.ring_driver import FakeWorker
 

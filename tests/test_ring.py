@@ -17,7 +17,7 @@ import torch
 
 from fastload import _core
 from fastload._core import CommitResult, Ring, SlotState, WaitResult, WorkerRing
-from fastload._ring import RingHandle
+from fastload.common.ring_handles import RingHandle
 
 
 def _worker_side(ring: Ring, worker: int = 0) -> WorkerRing:

@@ -24,7 +24,7 @@ from fastload.transport.overflow import send as send_segment
 from fastload.transport.format import split_trailer, trailer
 from fastload.transport.reader import SlotReader, read_batch
 from fastload.transport.writer import SlotWriter
-from fastload.protocol import FLAG_OVERFLOW, Kind
+from fastload.common.protocol import FLAG_OVERFLOW, Kind
 from support.processes import open_fds
 from support.ring_driver import Channels, FakeWorker, new_ring
 

@@ -15,7 +15,7 @@ set-up; the server lives until the process ends, or :func:`shutdown`
 (``FASTLOAD_SERVER_AT_IMPORT=0`` leaves the start to the first loader).
 """
 
-from .errors import WorkerHangError
+from .common.errors import WorkerHangError
 from .install import install, installed, uninstall
 from .launching.fork_server import shutdown
 from .launching.fork_server import start_at_import as _start_at_import

@@ -16,7 +16,7 @@ may change between versions. A view is taken when ``debug_view`` is called
 the iterator or their pool, so keeping one never keeps workers alive. It
 changes nothing: nothing in it starts, stops or signals a process.
 
-Each object renders its own view (see :mod:`fastload.debug_views`); this
+Each object renders its own view (see :mod:`fastload.common.debug_views`); this
 module only picks the one that ``obj`` asks for.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, overload
 
 from torch.utils.data import DataLoader
 
-from .debug_views import IteratorView, LoaderView, PoolView, RingView
+from .common.debug_views import IteratorView, LoaderView, PoolView, RingView
 from .iterator.multi_process import FastLoaderIter
 from .loader import loader_view
 

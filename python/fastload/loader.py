@@ -25,8 +25,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .resume import format as resume_format
-from .debug_views import LoaderView
-from .errors import add_note
+from .common.debug_views import LoaderView
+from .common.errors import add_note
 from .device.prefetch import StreamOps
 from .iterator.multi_process import FastLoaderIter
 from .iterator.single_process import SingleProcessIter

@@ -31,7 +31,7 @@ from fastload.iterator.multi_process import FastLoaderIter
 from fastload.pool.ledger import SlotLedger
 from fastload.iterator.loader_runtime import LoaderOptions, LoaderRuntime
 from fastload.transport.overflow import OverflowSegments
-from fastload.protocol import SessionTask, encode_session
+from fastload.common.protocol import SessionTask, encode_session
 
 from .ring_driver import SLOT_BYTES, FakeWorker
 

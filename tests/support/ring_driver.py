@@ -18,7 +18,7 @@ from fastload.transport import overflow
 from fastload.transport.format import trailer
 from fastload.transport.overflow import OverflowSegments
 from fastload.transport.writer import SlotWriter
-from fastload.protocol import Kind, Task, decode_task
+from fastload.common.protocol import Kind, Task, decode_task
 
 SLOT_BYTES = 1 << 20
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..debug_views import IteratorView, LoaderView
+from ..common.debug_views import IteratorView, LoaderView
 from ..device.pinning import DeviceRuntime, cuda_runtime_or_none
 from ..device.prefetch import BlockingOps, CudaStreamOps, StreamOps, resolve_device
 from ..pool.keeper import PoolKeeper

@@ -35,13 +35,13 @@ from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from ..debug_views import IteratorView, RingView
+from ..common.debug_views import IteratorView, RingView
 from ..device.prefetch import DevicePrefetcher
-from ..inherited import InheritedSettings
+from ..common.inherited import InheritedSettings
 from ..launching import parcels
 from ..launching.start_methods import default_context
 from ..pool.ledger import Record
-from ..protocol import FLAG_OVERFLOW
+from ..common.protocol import FLAG_OVERFLOW
 from ..resume import book
 from ..stats.meter import EpochMeter, loader_label, samples_in
 from ..transport.reader import SlotReader

@@ -27,7 +27,7 @@ import itertools
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..pool.ledger import Record, Role, SlotLedger
-from ..protocol import Kind, encode_fetch
+from ..common.protocol import Kind, encode_fetch
 
 
 class Due(enum.Enum):

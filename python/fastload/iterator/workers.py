@@ -27,7 +27,7 @@ from ..launching import parcels
 from ..pool.ledger import Record, Role
 from ..pool.supervisor import Supervisor, WorkerLost
 from ..pool.worker_pool import WorkerPool
-from ..protocol import FLAG_OVERFLOW, Kind
+from ..common.protocol import FLAG_OVERFLOW, Kind
 from ..resume import book
 from ..stats.meter import EpochMeter
 from ..transport.reader import SlotReader

@@ -5,7 +5,7 @@ started, lives in this package. The pool that owns a loader's workers
 (:mod:`fastload.pool.worker_pool`, stopped by :mod:`fastload.pool.teardown`) and the worker
 loop (:mod:`fastload.worker.loop`) use it from outside; nothing here imports
 them. From the rest of fastload the package imports only
-:mod:`fastload._pickling` and :mod:`fastload.errors`.
+:mod:`fastload.common` (the pickler, the errors, the protocol's constants).
 docs/design.md, "Starting workers", tells the story these modules implement.
 
 The modules, in dependency order: each imports only modules listed before

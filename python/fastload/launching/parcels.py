@@ -52,11 +52,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch  # noqa: F401 - registers torch.multiprocessing's reducers (_sharing_table)
 
-from .. import _pickling
+from ..common import pickling
 from . import references
 from .buffer_copies import SharedBuffers
 from .references import Packing
-from ..errors import add_note
+from ..common.errors import add_note
 from .start_methods import default_context, launcher_of
 
 log = logging.getLogger("fastload")
@@ -163,7 +163,7 @@ def _sharing_table() -> Dict[type, Callable[[Any], Any]]:
     return table
 
 
-class _SharingPickler(_pickling.Pickler):
+class _SharingPickler(pickling.Pickler):
     """cloudpickle (by value where plain pickle cannot name), with the
     sharing reducers above taking precedence over copying, and what fork
     would share sent by reference (``packing``)."""
@@ -172,7 +172,7 @@ class _SharingPickler(_pickling.Pickler):
         # Made anew each time: modules register their reducers when imported
         # (multiprocessing.heap's for Value/Array, say). Set before the base
         # __init__: the C pickler reads its table there.
-        self.dispatch_table = ChainMap(_sharing_table(), _pickling.Pickler.dispatch_table)
+        self.dispatch_table = ChainMap(_sharing_table(), pickling.Pickler.dispatch_table)
         self._packing = packing
         super().__init__(file, protocol=_PROTOCOL, buffer_callback=packing.buffer_callback)
 
@@ -222,10 +222,10 @@ def pack(obj: Any, what: str, names: Sequence[Optional[str]] = (),
         except RuntimeError as e:
             if "fork context" in str(e):  # multiprocessing's SemLock.__getstate__
                 raise ForkOnlyError(str(e)) from e
-            _pickling.explain(e, obj, what, names)
+            pickling.explain(e, obj, what, names)
             raise
         except Exception as e:  # pickling errors come as many types
-            _pickling.explain(e, obj, what, names)
+            pickling.explain(e, obj, what, names)
             raise
         if buffers is not None:
             buffers.finish()
@@ -284,7 +284,7 @@ def pack_session(payload: tuple, ctx: Any, keeper: Any) -> Tuple[Optional[Parcel
     """The session a loader's workers get: ``payload`` = (inherited settings,
     dataset, collate_fn, worker_init_fn, dataset_kind, auto_collation,
     drop_last) packed for ``ctx``'s workers (the state first: see
-    :mod:`fastload.inherited`). Returns (parcel, context, None), or
+    :mod:`fastload.common.inherited`). Returns (parcel, context, None), or
     (None, a fork context, payload) where the workers are to be forked from
     this process with the objects themselves, never pickled, as DataLoader's
     are: under an explicit ``fork`` context (a dataset holding an open file,

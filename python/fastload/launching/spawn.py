@@ -45,13 +45,10 @@ from typing import Any, Dict, Mapping, Optional
 
 from . import parcels
 from .child import Child, note_pipe
+from ..common.protocol import ACCELERATOR_ENV
 
 __all__ = ["spawn", "child_header", "child_env", "hidden_env", "ACCELERATOR_ENV",
            "OWN_PROCESS_GROUP", "BOOT_COMMAND", "ZYGOTE_BOOT_COMMAND"]
-
-# Set empty in a worker's environment, so that it never creates a GPU
-# context (docs/design.md, "Starting workers").
-ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 # The child leads a process group of its own (``setpgid(0, 0)`` before exec).
 # 3.10's Popen has no ``process_group``; ``os.setpgrp`` is one system call.

@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any, Optional
 
-from ..protocol import STACK_SIGNAL
+from ..common.protocol import STACK_SIGNAL
 
 # Asks a worker for its Python stack: the worker has faulthandler dump it
 # on this signal (fastload.worker.loop), into the memfd the pool keeps for it.

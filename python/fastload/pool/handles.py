@@ -20,11 +20,11 @@ import socket
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import _core
-from .._ring import FdHandle, RingHandle
+from ..common.ring_handles import FdHandle, RingHandle
 from .exits import dump_stack, exited_unseen
 from ..launching.child import Child
 from ..transport.overflow import OverflowSegments
-from ..protocol import WorkerSpec
+from ..common.protocol import WorkerSpec
 
 log = logging.getLogger("fastload")
 

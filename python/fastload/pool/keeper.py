@@ -20,7 +20,7 @@ import statistics
 from typing import Any, Callable, Deque, List, Optional
 
 from .. import _core
-from ..debug_views import PoolView
+from ..common.debug_views import PoolView
 from ..launching.buffer_copies import SharedBuffers
 from ..launching.fork_server import ServerLease, fork_server, fork_server_pid, lease_fork_server
 from ..launching.start_methods import ZYGOTE

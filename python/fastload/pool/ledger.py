@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from .. import _core
 from ..device.pinning import ReleaseGate
 from ..transport.overflow import OverflowSegments
-from ..protocol import FLAG_OVERFLOW
+from ..common.protocol import FLAG_OVERFLOW
 
 
 class Role(enum.Enum):
@@ -60,7 +60,7 @@ class Record:
         self.idx = idx
         self.index = index
         self.task = task
-        self.kind = -1  # once done: the result's Kind, maybe with FLAG_OVERFLOW (fastload.protocol)
+        self.kind = -1  # once done: the result's Kind, maybe with FLAG_OVERFLOW (fastload.common.protocol)
         self.done = False
         self.make_ns = 0  # once done: what its worker says making it took
         # Once done: the ring's result, (kind, data_len, meta_off, meta_len,

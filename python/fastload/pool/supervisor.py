@@ -49,7 +49,7 @@ import math
 import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
-from ..errors import WorkerHangError, as_list, short_list
+from ..common.errors import WorkerHangError, as_list, short_list
 from .ledger import Record, Role, SlotLedger
 from .exits import cpu_ticks, describe_exit
 from .worker_pool import WorkerPool

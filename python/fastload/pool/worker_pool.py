@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 from .. import _core
-from ..debug_views import PoolView, RingView
+from ..common.debug_views import PoolView, RingView
 from ..launching import parcels
 from ..launching.child import Child
 from ..launching.fork_server import Lineage
@@ -32,8 +32,8 @@ from ..launching.zygote import Zygote
 from .ledger import SlotLedger
 from ..device.pinning import DeviceRuntime, PinnedRing
 from .teardown import stop_pool
-from ..protocol import encode_session, send_session
-from ..protocol import WorkerSpec
+from ..common.protocol import encode_session, send_session
+from ..common.protocol import WorkerSpec
 from ..worker.loop import worker_main
 from .handles import Launch, WorkerHandles, wait_retired
 

@@ -6,7 +6,7 @@ is that way, both ends side by side, as SPDL's arena keeps its writer and
 reader: the format both agree on, the worker's writer, the main process's
 reader. Which task a slot holds, when it is done and when it is freed is
 not its business: the ring's states and the ledger (:mod:`fastload.pool.ledger`)
-decide that; the task and result protocol is :mod:`fastload.protocol`.
+decide that; the task and result protocol is :mod:`fastload.common.protocol`.
 
 How a batch travels: the worker's :class:`~fastload.transport.writer.SlotWriter`
 has the default collate stack tensors straight into the slot, then pickles

@@ -1,6 +1,6 @@
 """The slot format: how a committed result lies in its slot (or an overflow segment).
 
-What a slot holds depends on the result's kind (:class:`fastload.protocol.Kind`:
+What a slot holds depends on the result's kind (:class:`fastload.common.protocol.Kind`:
 the worker's answer to a task, part of the protocol, which the ledger and
 the iterator act on without reading the slot):
 

@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Protocol
 import torch
 
 from .. import _core
-from ..errors import add_note, as_list, short_list
+from ..common.errors import add_note, as_list, short_list
 from ..device.pinning import PinnedRing
-from ..protocol import FLAG_OVERFLOW, Kind
+from ..common.protocol import FLAG_OVERFLOW, Kind
 from .format import DTYPES, META_WITH_TABLES, split_trailer
 from .overflow import OverflowSegments
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import ExceptionWrapper
 
-from .._pickling import dumps_by_value, is_script_name
+from ..common.pickling import dumps_by_value, is_script_name
 from . import overflow
 from .format import ALIGN, META_NO_TABLES, META_WITH_TABLES, align, extent_bytes, layout
 

@@ -7,7 +7,7 @@ polls the ring with a timeout, so it notices shutdown and the death of the
 main process on its own.
 
 The tasks it takes and the results it commits are described in
-:mod:`fastload.protocol`; what a session holds (the dataset replica, its seeds
+:mod:`fastload.common.protocol`; what a session holds (the dataset replica, its seeds
 and fetcher) is :mod:`fastload.worker.session`.
 """
 
@@ -33,11 +33,10 @@ from .. import _core
 from .._core import WaitResult
 from ..launching import parcels
 from ..launching import zygote_main
-from ..launching.spawn import ACCELERATOR_ENV
 from ..transport import overflow
 from ..transport.writer import SlotWriter
-from ..protocol import (FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind, SessionTask, WorkerSpec,
-                        decode_task, recv_session_fds)
+from ..common.protocol import (ACCELERATOR_ENV, FLAG_OVERFLOW, STACK_SIGNAL, FetchTask, Kind,
+                               SessionTask, WorkerSpec, decode_task, recv_session_fds)
 from .session import Session
 
 _POLL_S = 0.5
@@ -204,7 +203,7 @@ def _stack_into_slots(writer: SlotWriter) -> None:
 
 class _TaskLoop:
     """A worker's loop: take the next task its ring queue holds, do it in
-    the task's slot, commit the result (see :mod:`fastload.protocol`)."""
+    the task's slot, commit the result (see :mod:`fastload.common.protocol`)."""
 
     def __init__(self, spec: WorkerSpec, ring: _core.WorkerRing, main_watch: _MainWatch) -> None:
         self._spec = spec

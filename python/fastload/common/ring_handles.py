@@ -18,7 +18,7 @@ import os
 from multiprocessing import reduction
 from typing import Any, Callable, Tuple, Union
 
-from . import _core
+from .. import _core
 
 
 class RingHandle:

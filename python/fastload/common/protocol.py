@@ -12,7 +12,7 @@ Two kinds of message go between them (see docs/design.md, "The ring"):
     session. Unless ``inherited``, the pool has just sent the worker, over
     its socket, the memfd of the pickled ``(inherited settings, dataset,
     collate_fn, worker_init_fn, dataset_kind, auto_collation, drop_last)``
-    (:mod:`fastload.inherited`) followed by
+    (:mod:`fastload.common.inherited`) followed by
     the fds of what the dataset shares (:func:`send_session` / the worker's
     ``recv_session``). ``inherited``: the same objects came with the fork:
     from the training process (the worker's spec holds them), or, when
@@ -49,7 +49,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
-from ._ring import FdHandle, RingHandle
+from .ring_handles import FdHandle, RingHandle
 
 
 class Op(enum.IntEnum):
@@ -146,6 +146,10 @@ def recv_session_fds(sock: socket.socket) -> List[int]:
         fds += got
     return fds
 
+
+# Set empty in a worker's environment, so that it never creates a GPU
+# context (docs/design.md, "Starting workers").
+ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 # The signal a worker dumps its Python stack on (faulthandler), for the
 # main process's report of a hung worker (fastload.pool.exits).

@@ -36,7 +36,7 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from .launching.spawn import ACCELERATOR_ENV
+from .protocol import ACCELERATOR_ENV
 
 # An entry of warnings.filters, its category as (module, qualified name).
 _Filter = Tuple[str, Any, Tuple[str, str], Any, int]

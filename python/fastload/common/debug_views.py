@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional, Tuple
 
-from . import _core
+from .. import _core
 
 __all__ = ["IteratorView", "LoaderView", "PoolView", "RingView"]
 
