@@ -15,6 +15,7 @@ from fastload.iterator.loader_runtime import LoaderOptions
 from fastload.iterator.resume_cursor import ResumeCursor
 from fastload.iterator.schedule import Arrival, Due, TaskSchedule
 from fastload.pool.ledger import SlotLedger
+from fastload.resume import book
 from fastload.common.protocol import Kind, decode_task
 from support.ring_driver import Channels, FakeWorker, new_ring
 
@@ -141,7 +142,9 @@ def test_a_shrinking_count_retires_workers_once_their_tasks_are_in(ring: Ring) -
     ring.make(1)
     ring.make(0)
     assert [_next_batch(schedule, ring), _next_batch(schedule, ring)] == [0, 1]
-    assert schedule.retired() and not schedule.retiring
+    assert schedule.retired() and schedule.retiring  # until the caller has them go
+    schedule.end_retirement()
+    assert not schedule.retiring and not schedule.retired()
     _fill(schedule, [2])
     assert ring.workers[0].next_task() is not None  # only worker 0 gets tasks now
 
@@ -182,3 +185,23 @@ def test_the_count_controller_starts_where_it_should(auto: bool) -> None:
     start, cap, controller = AutoCount.choose(
         options, 3, _DatasetKind.Iterable, 2, lambda shm: 1 << 20, None, 4)
     assert controller is None and start == cap == (4 if auto else 3)  # replicas shard by it
+
+
+def test_a_resumed_epochs_skips_end_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indices dropped because their batches were delivered before a resume
+    are dropped in the resumed epoch only, even when the loop broke out of
+    it before reaching them."""
+    sampler = BatchSampler(SequentialSampler(range(20)), batch_size=2, drop_last=False)
+    saved = {"position": 1, "delivered_ahead": [3], "epoch_start": {"first_iter": False},
+             "workers_active": [True, True], "next_worker": 1}
+    monkeypatch.setattr(book, "draw_as_usual", lambda sampler_iter: None)
+    monkeypatch.setattr(book, "Replay", lambda start: type("R", (), {"rewind": lambda s, l: None})())
+    cursor = ResumeCursor(2, saved, None)
+    ff = cursor.fast_forward(None, iter(sampler), sampler)
+    assert (ff.first_batch, ff.skip, ff.yielded) == (1, (3,), 2)
+    it = ff.sampler_iter
+    assert [cursor.draw(it) for _ in range(2)] == [[2, 3], [4, 5]]  # then the loop broke out
+    monkeypatch.setattr(book, "epoch_start", lambda loader, seed, first: {})
+    assert cursor.begin_epoch(None, 0, first_iter=False) is False  # the next epoch
+    it = iter(sampler)
+    assert [cursor.draw(it) for _ in range(5)] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]

@@ -41,12 +41,13 @@ from ..common.inherited import InheritedSettings
 from ..launching import parcels
 from ..launching.start_methods import default_context
 from ..pool.ledger import Record
+from ..pool.worker_pool import WorkerPool
 from ..common.protocol import FLAG_OVERFLOW
 from ..resume import book
 from ..stats.meter import EpochMeter, loader_label, samples_in
 from ..transport.reader import SlotReader
 from .auto_count import AutoCount
-from .loader_runtime import LoaderRuntime
+from .loader_runtime import LoaderOptions, LoaderRuntime
 from .resume_cursor import ResumeCursor
 from .schedule import Arrival, Due, TaskSchedule
 from .workers import PoolSession
@@ -66,8 +67,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         ``device_runtime``: device prefetch and ring pinning (None: off)."""
         meter: EpochMeter = state.meter
         self._meter = meter
-        meter.begin(loader.num_workers, loader_label(loader, state.options.auto_workers),
-                    state.options.auto_workers)
+        self._auto_asked = state.options.auto_workers  # num_workers="auto", for the meter
+        meter.begin(loader.num_workers, loader_label(loader, self._auto_asked), self._auto_asked)
         self._meter_epoch = meter.epoch
         self._epoch_over = False  # the epoch's last batch was handed out (stats())
         self._read_ns = 0
@@ -124,6 +125,16 @@ class FastLoaderIter(_BaseDataLoaderIter):
         pool = state.pool_for(ctx, self._num_workers, self._prefetch_factor,
                               persistent=self._persistent_workers, inherited=inherited,
                               capacity=self._capacity)
+        try:
+            self._take_pool(pool, state, opts, parcel, device_runtime)
+        except BaseException:  # the session does not hold it yet: nobody else stops it
+            pool.shutdown()
+            raise
+        return parcel
+
+    def _take_pool(self, pool: WorkerPool, state: LoaderRuntime, opts: LoaderOptions,
+                   parcel: Optional[parcels.Parcel], device_runtime: Any) -> None:
+        """Set up this iterator's parts over ``pool``."""
         if self._auto is not None:
             self._num_workers = pool.num_workers  # a warm pool keeps the count it ended with
             state.meter.resize(pool.num_workers)
@@ -141,15 +152,14 @@ class FastLoaderIter(_BaseDataLoaderIter):
             restartable=self._dataset_kind == _DatasetKind.Map,
             keep_parcel=opts.max_worker_restarts > 0 or self._auto is not None,
             resume_book=self._cursor.book, reader=self._reader)
-        return parcel
 
     # ---- epoch set-up ------------------------------------------------------
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         session, schedule, cursor = self._session, self._schedule, self._cursor
         assert session is not None
         if not first_iter:  # a persistent iterator's next epoch
-            self._meter.begin(self._num_workers, loader_label(loader, self._auto is not None),
-                              self._auto is not None)
+            self._meter.begin(self._num_workers, loader_label(loader, self._auto_asked),
+                              self._auto_asked)
             self._meter_epoch = self._meter.epoch
             self._epoch_over = False
         if not first_iter and session.failure is None:
@@ -386,7 +396,8 @@ class FastLoaderIter(_BaseDataLoaderIter):
         if not self._schedule.retired():
             return
         if session.pool is not None:
-            session.pool.shrink(self._num_workers)
+            session.pool.shrink(self._num_workers)  # interrupted: tried again at the next batch
+        self._schedule.end_retirement()
         self._schedule.pay(session.epoch)
 
     # ---- resume ------------------------------------------------------------

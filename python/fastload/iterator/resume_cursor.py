@@ -80,6 +80,7 @@ class ResumeCursor:
         else:
             self._start = book.epoch_start(loader, base_seed, False)
         self._drawn = 0
+        self._skip = set()  # a resumed epoch's skips end with it (fast_forward sets them)
         return mid_epoch
 
     def enter_epoch(self, yielded_before: int) -> None:

@@ -234,12 +234,14 @@ class TaskSchedule:
         self._restart_cycle(self.next_worker % new)
 
     def retired(self) -> bool:
-        """Whether the workers being retired hold no task any more (then they
-        can go, and the tasks that waited for them can be sent)."""
-        if not self._retiring or any(self._per_worker[w] for w in self._retiring):
-            return False
+        """Whether the workers being retired hold no task any more: they can
+        go (then :meth:`end_retirement`), and the tasks that waited for them
+        can be sent."""
+        return bool(self._retiring) and not any(self._per_worker[w] for w in self._retiring)
+
+    def end_retirement(self) -> None:
+        """The retired workers are gone."""
         self._retiring = []
-        return True
 
     # ---- resume ------------------------------------------------------------
     def position(self, first_undelivered: int) -> Tuple[int, List[bool]]:
