@@ -154,3 +154,42 @@ def test_a_worker_that_cannot_be_started_keeps_the_count(monkeypatch: pytest.Mon
     assert dl.stats().workers == START  # type: ignore[union-attr]
     warned = [r for r in caplog.records if "could not start more workers" in r.getMessage()]
     assert len(warned) == 1  # once: the count's cap is now the count it has
+
+
+def test_a_break_while_workers_retire_leaves_the_next_epoch_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The count shrinks while the workers past it still hold tasks, and the
+    # loop breaks out then: the next iter() on the warm pool must not wait
+    # for the retired workers' batches, which nobody makes any more.
+    from fastload.iterator.auto_count import AutoCount
+
+    decided: List[int] = []
+
+    def shrink_once(self: Any, now: int, meter: Any, pids: Any, n: int) -> Any:
+        if decided or n < 2:
+            return None
+        decided.append(n - 1)
+        return n - 1
+
+    monkeypatch.setattr(AutoCount, "due", lambda self, now: True)
+    monkeypatch.setattr(AutoCount, "decide", shrink_once)
+    n = 24
+    dl = FastLoader(_SlowPastWorker0(n), batch_size=1, num_workers="auto", prefetch_factor=2,
+                    hang_timeout=20.0)
+    it = iter(dl)
+    first = [int(next(it)) for _ in range(2)]  # batch 1: worker 1's, 1 s
+    assert decided, "the count did not shrink"
+    del it  # broke out with the retiring worker's tasks in flight
+    assert [int(b) for b in dl] == list(range(n))
+    assert first == [0, 1]
+
+
+class _SlowPastWorker0(Plain):
+    """Workers past the first take 1 s a sample: at the break, the retiring
+    workers' tasks are still out."""
+
+    def __getitem__(self, i: int) -> Any:
+        info = get_worker_info()
+        if info is not None and info.id >= 1:
+            time.sleep(1.0)
+        return super().__getitem__(i)

@@ -205,8 +205,8 @@ class WorkerPool:
             for p in self.procs:
                 p.join(5.0)
         self._retired = self._retire_workers()
-        if orphans:
-            for w in range(self.num_workers):
+        if orphans:  # every worker's: those num_workers="auto" was retiring too
+            for w in range(self.capacity):
                 self.ledger.abandon_worker(w)
         assert self.lineage is not None
         self.lineage.forget()
