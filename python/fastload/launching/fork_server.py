@@ -109,7 +109,7 @@ class ForkServers:
 
     def start_zygote(self, hide_accelerators: bool) -> Zygote:
         """A zygote for one pool, forked from the fork server (see
-        zygote_client.Zygote.fork_zygote): milliseconds once the server is
+        zygote.Zygote.fork_zygote): milliseconds once the server is
         ready. If the server cannot fork it (it died just now), a new server
         is started and asked once more."""
         try:

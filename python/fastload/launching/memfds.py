@@ -91,7 +91,7 @@ def address_of(buffer: Any) -> int:
 def storage_fd(storage: torch.UntypedStorage) -> Optional[int]:
     """The memfd a storage that fastload moved lives in (kept by torch's
     mapping), or None for any other storage (torch's own shared memory keeps
-    DataLoader's shared semantics: see crossing)."""
+    DataLoader's shared semantics: see parcels)."""
     if not storage.is_shared():
         return None
     try:

@@ -110,7 +110,7 @@ def _tensor_by_reference(t: torch.Tensor, packing: "Packing") -> Any:
     fd = storage_fd(storage)
     if fd is None:
         if storage.is_shared() or nbytes < BUFFER_BYTES:
-            return NotImplemented  # torch's sharing (crossing), or small: bytes
+            return NotImplemented  # torch's sharing (parcels), or small: bytes
         if t.is_pinned():
             return NotImplemented  # page-locked memory stays where it is
         if nbytes >= MOVE_BYTES and len(packing.storages) < _FDS_PER_PACK and movable(storage):

@@ -270,7 +270,7 @@ class Zygote:
 
     def preload(self, parcel: parcels.Parcel, token: int,
                 timeout: Optional[float] = None) -> Tuple[int, str]:
-        """Have the zygote unpickle session ``parcel`` (as :func:`crossing.
+        """Have the zygote unpickle session ``parcel`` (as :func:`parcels.
         unpack` in a worker would) and hold it as session ``token``, in place
         of the one it held; the workers it forks from then on inherit it
         (:func:`fastload.launching.zygote_main.preloaded`). Returns the outcome (PRELOADED, DECLINED,
