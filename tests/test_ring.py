@@ -301,3 +301,53 @@ def test_ring_handle_gives_a_forked_worker_its_side() -> None:
     assert RingHandle(side).get() is side
     with pytest.raises(TypeError, match="only the main process"):
         pickle.dumps(RingHandle(side))
+
+
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_a_wait_for_one_slot_sleeps_through_commits_of_others() -> None:
+    """Main waiting for the batch due next is woken by that batch's commit,
+    not by each later batch committed meanwhile: a worker wakes main only
+    for a slot it waits for. Counted in the waiting thread's voluntary
+    context switches (each wake-up is one more sleep)."""
+    others = 12
+    ring = Ring.create(others + 1, 1, 1 << 16)
+    side = _worker_side(ring)
+    slots = [ring.pop_free_slot() for _ in range(others + 1)]
+    for seq, slot in enumerate(slots):
+        ring.assign(slot, seq, 0, b"t")
+    taken = [side.next_task(0.1)[1] for _ in slots]
+    assert taken == slots
+    wanted, rest = slots[0], slots[1:]
+    asleep = threading.Event()
+    got: list = []
+
+    def wait() -> None:
+        tid = threading.get_native_id()
+        before = _voluntary_switches(tid)
+        asleep.set()
+        got.append(ring.wait_ready(wanted, 0, 10.0))
+        got.append(_voluntary_switches(tid) - before)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    asleep.wait(5)
+    for slot in rest:
+        time.sleep(0.02)  # the waiter is asleep again by now
+        assert side.commit(slot, 0, 0, 0, 0, 0) == CommitResult.COMMITTED
+    time.sleep(0.02)
+    side.commit(wanted, 0, 0, 0, 0, 0)
+    waiter.join(10)
+    assert got[0] == WaitResult.READY
+    # Woken once, by the wanted commit (a stray wake-up or two allowed: a
+    # thread may also sleep on a lock or a page); once per commit before.
+    assert got[1] < others // 2, f"{got[1]} sleeps for {others} commits of other slots"
+    for slot in slots:
+        assert ring.wait_ready(slot, slots.index(slot), 0.0) == WaitResult.READY
+        ring.release(slot)
