@@ -50,7 +50,7 @@ constexpr uint64_t kRingMagic = 0x474e4952444c5346ULL;  // "FSLDRING" read littl
 // Bumped whenever a shared struct changes: two builds with different
 // layouts refuse to share a segment. 2: 64-bit slot state words with a lap,
 // lap-stamped queue entries, worker generations. 3: the completion queue.
-constexpr uint32_t kRingVersion = 5;
+constexpr uint32_t kRingVersion = 4;
 constexpr uint32_t kMaxSlots = 1024;  // power of two: queue indices are masked with it
 constexpr uint32_t kMaxWorkers = 512;
 constexpr size_t kCacheLine = 64;
@@ -204,12 +204,7 @@ struct ShmHeader {
   alignas(kCacheLine) std::atomic<uint32_t> shutdown;
   // workers bump it (after READY) ; main's futex word.
   alignas(kCacheLine) std::atomic<uint32_t> completions;
-  // Main: who may sleep on `completions`, and for what (see MainWaiting in
-  // ring_detail.h): (sleepers << 16) | wanted, `wanted` being the one slot
-  // (+ 1) whose commit must wake them, or kWakeOnAny. A worker wakes main
-  // only when its commit is wanted, so the main process, waiting for the
-  // batch due next, sleeps through the commits of later batches.
-  std::atomic<uint32_t> main_waiting;
+  std::atomic<uint32_t> main_waiting;  // main: 1 while it may sleep on `completions`
 };
 
 static_assert(std::is_standard_layout_v<ShmSlot> && sizeof(ShmSlot) == kCacheLine,

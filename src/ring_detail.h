@@ -33,51 +33,6 @@ constexpr uint32_t kCqMask = kCompletionCapacity - 1;
 constexpr uint64_t kNoLap = ~0ULL;
 constexpr uint32_t kNoWorker = ~0u;  // a WorkerRing before worker_started()
 
-// The header's `main_waiting` word: (sleepers << 16) | wanted. `wanted` is
-// the slot (+ 1) whose commit must wake the sleeper when there is exactly one
-// sleeper and it waits for exactly one slot, else kWakeOnAny (every commit
-// wakes). kMaxSlots < kWakeOnAny, so a slot + 1 never reads as "any".
-constexpr uint32_t kWakeOnAny = 0xffffu;
-static_assert(kMaxSlots < kWakeOnAny, "a slot + 1 must fit below kWakeOnAny");
-
-// Whether a commit of slot `s` must wake main, given `main_waiting`.
-inline bool main_wants(uint32_t waiting, uint32_t s) {
-  const uint32_t wanted = waiting & 0xffffu;
-  return (waiting >> 16) != 0 && (wanted == kWakeOnAny || wanted == s + 1);
-}
-
-// One sleeper's announcement in `main_waiting`, for the scope of one sleep
-// (RAII: every return path withdraws it). Several threads of the main
-// process may wait at once: the word then counts them and wakes on any
-// commit, which is never wrong, only less frugal.
-class MainWaiting {
- public:
-  // `want`: the slot + 1 this sleeper waits for, or kWakeOnAny.
-  MainWaiting(std::atomic<uint32_t>& word, uint32_t want) : word_(word) {
-    uint32_t cur = sync::load_relaxed(word_);
-    for (;;) {
-      const uint32_t sleepers = cur >> 16;
-      const uint32_t next = ((sleepers + 1) << 16) | (sleepers == 0 ? want : kWakeOnAny);
-      // A read-modify-write, so concurrent sleepers count each other; the
-      // Dekker fence that orders it before the sleeper's look is the caller's.
-      if (sync::cas_acq_rel(word_, cur, next)) return;
-    }
-  }
-  ~MainWaiting() {
-    uint32_t cur = sync::load_relaxed(word_);
-    for (;;) {
-      const uint32_t sleepers = (cur >> 16) - 1;
-      const uint32_t next = sleepers == 0 ? 0u : (sleepers << 16) | kWakeOnAny;
-      if (sync::cas_acq_rel(word_, cur, next)) return;
-    }
-  }
-  MainWaiting(const MainWaiting&) = delete;
-  MainWaiting& operator=(const MainWaiting&) = delete;
-
- private:
-  std::atomic<uint32_t>& word_;
-};
-
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 inline std::string str(uint64_t v) { return std::to_string(v); }

@@ -278,8 +278,16 @@ WaitResult MainRing::wait_any(const uint32_t* slots, const uint64_t* seqs, size_
     if (look()) return WaitResult::Ready;
     if (load_acquire(hdr_->shutdown) != 0) return WaitResult::Shutdown;
     if (any_dead()) return WaitResult::WorkerDied;
+    store_release(hdr_->main_waiting, 1u);
+    // Dekker with commit(): our flag store before taking entries again.
+    full_fence();
+    if (look()) {
+      store_release(hdr_->main_waiting, 0u);
+      return WaitResult::Ready;
+    }
     const int64_t left = deadline.left_ns();
     if (left <= 0) {
+      store_release(hdr_->main_waiting, 0u);
       // Rescan before answering TimedOut: the answer is a scan's.
       lock.lock();
       rescan_due_ = true;
@@ -287,16 +295,8 @@ WaitResult MainRing::wait_any(const uint32_t* slots, const uint64_t* seqs, size_
       lock.unlock();
       return found ? WaitResult::Ready : WaitResult::TimedOut;
     }
-    sync::FutexResult r;
-    {
-      // Waiting for one slot, only its commit wakes us: the commits of
-      // other slots are found by the look when their turn comes.
-      MainWaiting announce(hdr_->main_waiting, n == 1 ? slots[0] + 1 : kWakeOnAny);
-      // Dekker with commit(): our announcement before taking entries again.
-      full_fence();
-      if (look()) return WaitResult::Ready;
-      r = sync::futex_wait(&hdr_->completions, seen, std::min(left, kRescanEveryNs));
-    }
+    auto r = sync::futex_wait(&hdr_->completions, seen, std::min(left, kRescanEveryNs));
+    store_release(hdr_->main_waiting, 0u);
     if (r == sync::FutexResult::Interrupted) {
       // A signal (Ctrl-C) must reach Python now: report a timeout, the
       // caller loops and checks signals and worker liveness.

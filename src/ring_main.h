@@ -67,9 +67,7 @@ class MainRing {
   // entries, once a second while asleep, and before answering TimedOut. So
   // the answer is the one a scan would give. Ready comes before WorkerDied
   // (a dead worker's committed batch is still good), WorkerDied before
-  // sleeping. Asleep waiting for one slot, it is woken only by that slot's
-  // commit (or a death, or shutdown): the other commits it learns of at its
-  // next look. Safe to call from several threads of the main process.
+  // sleeping. Safe to call from several threads of the main process.
   WaitResult wait_any(const uint32_t* slots, const uint64_t* seqs, size_t n, int64_t timeout_ns,
                       size_t* which);
   // Watches the life of worker `worker` through `fd` (a pidfd, or any fd

@@ -157,7 +157,7 @@ CommitResult WorkerRing::commit(uint32_t s, const SlotResult& r) {
   bump_release(hdr_->completions);
   // Dekker with wait_any() and wait_ready(): the completion before the `main_waiting` load.
   full_fence();
-  if (main_wants(load_relaxed(hdr_->main_waiting), s)) sync::futex_wake_all(&hdr_->completions);
+  if (load_relaxed(hdr_->main_waiting) != 0) sync::futex_wake_all(&hdr_->completions);
   return CommitResult::Committed;
 }
 

@@ -206,33 +206,3 @@ def test_waits_follow_records_that_come_go_and_complete_between_them(pool: Pool)
     assert ledger.wait(1.0) is c and c.done
     ledger.discard(c)
     assert ring.free_slot_count() == ring.num_slots and ledger.accounted_for()
-
-
-def test_a_wait_for_the_due_batch_passes_over_later_ones(pool: Pool) -> None:
-    """With ``due``, while only batches are in flight, the wait is for
-    ``due``'s result alone: a later batch that is in stays unread (the loop
-    takes it when its turn comes); with a session in flight, any result
-    ends the wait, as without ``due``."""
-    ring, ledger = pool.ring, pool.ledger
-    first = ledger.assign(Role.BATCH, 0, b"first", idx=0)
-    later = ledger.assign(Role.BATCH, 1, b"later", idx=1)
-    w0, w1 = FakeWorker(ring, 0), FakeWorker(ring, 1)
-    w1.take()
-    w1.commit(later.slot)
-    assert ledger.wait(0.05, due=first) is None and not later.done  # in, but not due
-    w0.take()
-    w0.commit(first.slot)
-    assert ledger.wait(1.0, due=first) is first
-    assert ledger.wait(0.0, due=later) is later and later.done  # its turn: found in at once
-    for rec in (first, later):
-        ledger.discard(rec)
-    batch = ledger.assign(Role.BATCH, 0, b"batch", idx=2)
-    session = ledger.assign(Role.SESSION, 1, b"session")
-    w1.take()
-    w1.commit(session.slot)
-    assert ledger.wait(1.0, due=batch) is session  # a session's end is never passed over
-    w0.take()
-    w0.commit(batch.slot)
-    assert ledger.wait(1.0, due=batch) is batch
-    ledger.discard(batch)
-    assert ring.free_slot_count() == ring.num_slots and ledger.accounted_for()

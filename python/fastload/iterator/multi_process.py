@@ -282,11 +282,7 @@ class FastLoaderIter(_BaseDataLoaderIter):
                 return self._deliver(rec)
             if session.shut_down or schedule.outstanding <= 0:
                 raise AssertionError("Invalid iterator state: no outstanding tasks")
-            # Map-style, the loop only needs the batch due next: later ones are
-            # taken when due. An IterableDataset replica's end is acted on as
-            # it arrives (the next task goes elsewhere), as DataLoader does.
-            got = session.receive(deadline, rec if self._in_order else None, self._timeout,
-                                  only_needed=self._dataset_kind == _DatasetKind.Map)
+            got = session.receive(deadline, rec if self._in_order else None, self._timeout)
             arrival = schedule.arrived(got)
             if arrival is Arrival.DELIVER:
                 return self._deliver(got)

@@ -122,20 +122,18 @@ class PoolSession:
 
     # ---- waiting -----------------------------------------------------------
     def wait_one(self, deadline: Optional[float] = None, needed: Optional[Record] = None,
-                 timeout: float = 0, only_needed: bool = False) -> Optional[Record]:
+                 timeout: float = 0) -> Optional[Record]:
         """One round of waiting: a completed record, or None with the workers
         checked, after a worker died or the watchdog's interval passed
         (NOTE [ Supervision ]). ``deadline``: DataLoader's ``timeout``
-        (``timeout`` seconds) ends the iterator when passed. ``only_needed``:
-        woken by ``needed``'s result alone, not by a later batch's (see
-        :meth:`SlotLedger.wait`)."""
+        (``timeout`` seconds) ends the iterator when passed."""
         supervisor = self.supervisor
         if supervisor.deaths_deferred:
             self._check(needed)
         wait = supervisor.check_every
         if deadline is not None:
             wait = min(wait, max(0.0, deadline - time.monotonic()))
-        rec = self.ledger.wait(wait, needed if only_needed else None)
+        rec = self.ledger.wait(wait)
         if rec is not None:
             if rec.role is Role.BATCH and rec.kind & ~FLAG_OVERFLOW == Kind.DATA:
                 self._meter.made(rec.worker, rec.make_ns, rec.idx, rec.index)
@@ -146,12 +144,11 @@ class PoolSession:
         return None
 
     def receive(self, deadline: Optional[float], needed: Optional[Record],
-                timeout: float, only_needed: bool = False) -> Record:
+                timeout: float) -> Record:
         """Block until some batch of this iterator has a result (``needed``:
-        the batch due next, see Supervisor.check; ``only_needed``: see
-        :meth:`wait_one`)."""
+        the batch due next, see Supervisor.check)."""
         while True:
-            rec = self.wait_one(deadline, needed, timeout, only_needed)
+            rec = self.wait_one(deadline, needed, timeout)
             if rec is not None and rec.role is Role.BATCH:
                 return rec
 

@@ -133,13 +133,9 @@ class SlotLedger:
     def busy(self) -> bool:
         return any(not r.done for r in self._records.values())
 
-    def wait(self, timeout: float, due: Optional[Record] = None) -> Optional[Record]:
+    def wait(self, timeout: float) -> Optional[Record]:
         """Wait up to ``timeout`` s (``math.inf``: no limit) for any in-flight
-        record's result, or, with ``due`` (the batch the loop needs next)
-        while only batches are in flight, for ``due``'s alone: the main
-        process then sleeps through the results of later batches, which it
-        finds already in when their turn comes, instead of being woken for
-        each of them.
+        record's result.
 
         A finished session or orphan is freed here and returned (the caller
         ignores it); a finished batch is marked done, its kind set, and
@@ -150,8 +146,6 @@ class SlotLedger:
         waiting = self.in_flight()
         if not waiting:
             return None
-        if due is not None and not due.done and all(r.role is Role.BATCH for r in waiting):
-            waiting = [due]
         status, which = self._ring.wait_any([r.slot for r in waiting],
                                             [r.seq for r in waiting], timeout)
         if status != _core.WaitResult.READY:
