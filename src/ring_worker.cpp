@@ -156,6 +156,8 @@ CommitResult WorkerRing::commit(uint32_t s, const SlotResult& r) {
   }
   bump_release(hdr_->completions);
   // Dekker with wait_any() and wait_ready(): the completion before the `main_waiting` load.
+  // Every commit wakes a sleeping main, even one waiting for another slot:
+  // see "Orderings and waits" in docs/design.md for why (core balance).
   full_fence();
   if (load_relaxed(hdr_->main_waiting) != 0) sync::futex_wake_all(&hdr_->completions);
   return CommitResult::Committed;
