@@ -163,6 +163,26 @@ def test_share_script_reads_both_loaders_cpu_beside_a_neighbour():
         assert float(rate) > 0 and int(main_us) > 0 and int(workers_us) > 0 and float(cores) > 0
 
 
+@pytest.mark.slow
+def test_worker_steps_script_times_each_step():
+    """bench/worker_steps.py (what a worker adds per batch, quoted in
+    bench/README.md) runs a worker's steps and prints each one's time."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "worker_steps.py"
+    out = subprocess.run([sys.executable, str(script), "--workload", "tiny", "--batches", "20",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    steps = dict(re.findall(r"^  (task|collate|collate into slot|worker in all) +([\d.]+)$",
+                            out.stdout, re.M))
+    assert set(steps) == {"task", "collate", "collate into slot", "worker in all"}, out.stdout
+    assert all(float(v) > 0 for v in steps.values())
+    assert "a worker adds" in out.stdout
+
+
 def _busy_loops_alive(pids: List[int]) -> List[int]:
     """Those of ``pids`` that are still a running bench neighbour (a reused
     pid running something else does not count)."""
