@@ -71,7 +71,6 @@ def measure(workload: str, batches: int, repeats: int) -> Dict[str, float]:
     bs = w.batch_size
     torch.set_num_threads(1)  # as in a worker
     writer = SlotWriter(bytearray(SLOT_BYTES * SLOTS), SLOT_BYTES)
-    plain_collate = default_collate
     _stack_into_slots(writer)  # from here the default collate stacks into the slot, as in a worker
     session = Session(lambda: (_NoSettings(), ds, default_collate, None, 0, True, False),
                       base_seed=0, worker_id=0, num_workers=1,
@@ -83,8 +82,8 @@ def measure(workload: str, batches: int, repeats: int) -> Dict[str, float]:
     tasks = [encode_fetch(1, k, idx) for k, idx in enumerate(indices)]
 
     def collate(k: int) -> None:
-        writer.abort()  # no slot: the collate stacks into fresh memory, as DataLoader's does
-        plain_collate([ds[i] for i in indices[k]])
+        writer.abort()  # no slot begun: the collate stacks into fresh memory, as DataLoader's does
+        default_collate([ds[i] for i in indices[k]])
 
     def into_slot(k: int) -> None:
         writer.begin(k % SLOTS)
